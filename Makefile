@@ -1,0 +1,35 @@
+# Both entry points create .venv and install what they need; torch is pinned (constraints.txt) to the CPU build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+PDSERVE_HOME ?= $(HOME)/.cache/pdserve
+DEMO_MODEL := $(PDSERVE_HOME)/models/qwen3-tiny-s0
+
+.PHONY: demo test install bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m pdserve.cli make-model --arch qwen3 --size tiny --out $(DEMO_MODEL) --if-missing
+	$(PY) -m pdserve.cli generate --model $(DEMO_MODEL) --max-tokens 48 \
+		--prompt "def fibonacci(n):" --prompt "import os" --prompt "class HTTPServer:" \
+		--prompt "# héllo wörld 🙂" --prompt "for i in range(10):" --prompt "The quick brown fox"
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,101 @@
+"""`pdserve` command line: make-model | generate (serve, router and bench come with their issues)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _make_model_parser(sub) -> None:
+    from pdserve.model.make_model import ARCHS, SIZES
+    p = sub.add_parser("make-model", help="Build a random-weight model with a locally trained tokenizer (HF layout).",
+                       description="Build a Qwen3- or Llama-shaped model with random weights (fixed seed) and a byte-level "
+                                   "BPE tokenizer trained on Python's standard library sources, in the Hugging Face layout. "
+                                   "Nothing is downloaded.")
+    p.add_argument("--arch", choices=ARCHS, default="qwen3", help="Architecture (default: qwen3).")
+    p.add_argument("--size", choices=SIZES, default="tiny",
+                   help="tiny: ~4.5M parameters, for tests; small: ~100M, for benchmarks (default: tiny).")
+    p.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
+    p.add_argument("--out", default=None,
+                   help="Output directory (default: $PDSERVE_HOME/models/<arch>-<size>-s<seed>, PDSERVE_HOME "
+                        "defaulting to ~/.cache/pdserve).")
+    p.add_argument("--if-missing", action="store_true", help="Do nothing if --out already holds a complete model.")
+
+
+def _generate_parser(sub) -> None:
+    from pdserve.config import ENGINE_SECTIONS, add_dataclass_args
+    p = sub.add_parser("generate", help="Generate completions offline for one or more prompts.",
+                       description="Run the engine offline (no server) on the given prompts and print the outputs "
+                                   "and throughput.")
+    p.add_argument("--model", required=True, help="Local Hugging Face model directory.")
+    p.add_argument("--prompt", action="append", default=None, help="A prompt; repeat the flag for a batch.")
+    p.add_argument("--prompts-file", default=None, help="A text file with one prompt per line.")
+    p.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    p.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt (default: 32).")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: 1.0).")
+    p.add_argument("--top-k", type=int, default=0, help="Top-k sampling; 0 disables (default: 0).")
+    p.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed (default: none).")
+    p.add_argument("--ignore-eos", action="store_true", help="Keep generating past the EOS token.")
+    for cls in ENGINE_SECTIONS:
+        add_dataclass_args(p, cls)
+
+
+def cmd_make_model(args) -> int:
+    from pdserve.model.make_model import default_model_dir, is_complete, make_model
+    out = Path(args.out) if args.out else default_model_dir(args.arch, args.size, args.seed)
+    if args.if_missing and is_complete(out):
+        print(f"model already at {out}")
+        return 0
+    make_model(out, args.arch, args.size, args.seed)
+    print(out)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from pdserve import LLM, SamplingParams
+    from pdserve.config import engine_kwargs_from_args
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --prompts-file")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.sampling_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, **engine_kwargs_from_args(args))
+    t0 = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        print(f"--- prompt ({len(o.prompt_token_ids)} tokens): {p!r}")
+        print(f"    output ({len(c.token_ids)} tokens, finish={c.finish_reason}): {c.text!r}")
+    print(f"{len(prompts)} prompts, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tokens/s "
+          f"(device={llm.engine.device.type}, dtype={str(llm.engine.dtype).removeprefix('torch.')})")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: a compact LLM serving engine for P/D "
+                                     "disaggregation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _make_model_parser(sub)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    handlers = {"make-model": cmd_make_model, "generate": cmd_generate}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        parser.exit(2, f"pdserve {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

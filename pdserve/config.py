@@ -1,0 +1,115 @@
+"""Engine configuration: frozen dataclasses whose fields are also the CLI flags.
+
+Each field's `metadata["help"]` is its `--flag` help text, so the CLI never keeps a second, hand-written list.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+DType = Literal["auto", "float32", "float64", "bfloat16", "float16"]
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _f("", "Path to a local Hugging Face model directory (Qwen3ForCausalLM or LlamaForCausalLM).", cli=False)
+    dtype: DType = _f("auto", "Weight and activation dtype; 'auto' takes the checkpoint's (float32 on CPU for "
+                               "half-precision checkpoints). float64 exists for exactness tests.")
+    max_model_len: Optional[int] = _f(None, "Context length (prompt + output); default: the model's "
+                                            "max_position_embeddings, capped at 4096.")
+    seed: int = _f(0, "Seed for the engine's global sampling generator (requests with their own seed ignore it).")
+    device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "Tokens per KV cache block.")
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes (chained block hashes).")
+    kv_cache_memory_gb: float = _f(1.0, "Memory for the KV cache in GiB (capped at what max_num_seqs full-length "
+                                        "sequences need).")
+    num_gpu_blocks_override: Optional[int] = _f(None, "Use exactly this many KV blocks (tests, benchmarks).")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _f(128, "Most requests in one step's batch.")
+    max_num_batched_tokens: int = _f(2048, "Most tokens (prefill + decode) in one step.")
+    enable_chunked_prefill: bool = _f(True, "Split long prompts over several steps to fit the token budget.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """Build from flat vLLM-style engine args (dtype=..., block_size=...); unknown names are an error."""
+        parts = {}
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            names = {f.name for f in dataclasses.fields(sub)}
+            parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+        parts["model"] = dataclasses.replace(parts["model"], model=str(model))
+        cfg = cls(**parts)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        c, s = self.cache, self.scheduler
+        checks = [
+            (c.block_size >= 1 and c.block_size & (c.block_size - 1) == 0, "block_size must be a power of two"),
+            (s.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (s.max_num_batched_tokens >= s.max_num_seqs or s.enable_chunked_prefill,
+             "max_num_batched_tokens must be >= max_num_seqs"),
+            (s.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (c.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
+            (c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2,
+             "num_gpu_blocks_override must be >= 2"),
+            (self.model.max_model_len is None or self.model.max_model_len >= 1, "max_model_len must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+    """Add one `--kebab-name` flag per field of `cls` (fields with metadata cli=False are skipped)."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if tp is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_text)
+        elif typing.get_origin(tp) is Literal:
+            group.add_argument(flag, dest=f.name, choices=args, default=f.default, help=help_text)
+        else:
+            base = next((a for a in args if a is not type(None)), tp) if args else tp
+            if typing.get_origin(base) is Literal:
+                group.add_argument(flag, dest=f.name, choices=typing.get_args(base), default=f.default,
+                                   help=help_text)
+            else:
+                group.add_argument(flag, dest=f.name, type=base, default=f.default, help=help_text)
+
+
+def engine_kwargs_from_args(ns: argparse.Namespace) -> dict:
+    names = {f.name for cls in ENGINE_SECTIONS for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+    return {k: v for k, v in vars(ns).items() if k in names}

@@ -1,0 +1,190 @@
+"""LLMEngine: tokenization, validation, the schedule -> run -> update step, and detokenized outputs."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.core.scheduler import Scheduler
+from pdserve.detokenizer import IncrementalDetokenizer
+from pdserve.model.loader import model_dims, read_hf_config, resolve_dtype
+from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.request import Request, RequestStatus
+from pdserve.sampling_params import SamplingParams
+from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger("pdserve.engine")
+
+Prompt = Union[str, list[int]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc = config.model
+        self.hf_config = read_hf_config(mc.model)
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        max_pos = self.hf_config.get("max_position_embeddings", 4096)
+        self.max_model_len = mc.max_model_len or min(max_pos, 4096)
+        if self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
+        self.num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
+        self.tokenizer = load_tokenizer(mc.model)
+        self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
+        self.eos_token_ids = self._eos_ids()
+        self.vocab_size = self.hf_config["vocab_size"]
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._released: dict[str, str] = {}
+        self._metrics: dict[str, RequestMetrics] = {}
+        self._prompts: dict[str, Optional[str]] = {}
+        self._counter = 0
+
+    def _num_blocks(self) -> int:
+        cc = self.config.cache
+        per_seq = cdiv(self.max_model_len, cc.block_size)
+        if cc.num_gpu_blocks_override is not None:
+            n = cc.num_gpu_blocks_override
+        else:
+            per_block = kv_bytes_per_block(model_dims(self.hf_config, self.max_model_len), cc.block_size, self.dtype)
+            n = min(int(cc.kv_cache_memory_gb * 2**30) // per_block, self.config.scheduler.max_num_seqs * per_seq) + 1
+        if n - 1 < per_seq:
+            raise ValueError(f"the KV cache ({n - 1} blocks of {cc.block_size} tokens) cannot hold one max_model_len "
+                             f"({self.max_model_len}) sequence; raise kv_cache_memory_gb or lower max_model_len")
+        return n
+
+    def _eos_ids(self) -> frozenset[int]:
+        eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)
+        eos = eos if isinstance(eos, list) else [eos]
+        return frozenset(e for e in eos if e is not None)
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        return SamplingParams.from_generation_config(self.generation_config, **overrides)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None) -> Request:
+        params = params or self.default_sampling_params()
+        token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids, params)
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens)
+        self.scheduler.add_request(req)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids)
+        self._released[request_id] = ""
+        self._metrics[request_id] = RequestMetrics(req.arrival_time)
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        return req
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.hf_config["vocab_size"]), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.hf_config['vocab_size']})")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return self._make_output(req, []) if req is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.rows:
+            return []
+        now = time.monotonic()
+        for row in out.rows:
+            m = self._metrics[row.request.request_id]
+            m.first_scheduled_time = m.first_scheduled_time or now
+        try:
+            result = self.runner.execute(out.rows, self.kv.blocks_of)
+        except Exception as e:  # a failed step fails its requests, never the engine
+            logger.exception("model step failed")
+            return [self._make_output(self.scheduler.finish_request(r.request.request_id, RequestStatus.FINISHED_ERROR,
+                                                                    f"model step failed: {e}"), [])
+                    for r in out.rows]
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
+        now = time.monotonic()
+        outputs = []
+        for req in updated:
+            rid = req.request_id
+            m = self._metrics[rid]
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            if rid in lp_by_req:
+                req.logprobs.append(lp_by_req[rid])
+            stop = self._detok[rid].update([req.output_token_ids[-1]])
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._make_output(req, [req.output_token_ids[-1]]))
+        return outputs
+
+    def _make_output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        rid = req.request_id
+        finished = req.is_finished
+        detok = self._detok[rid]
+        delta = detok.get_delta(finished)
+        self._released[rid] += delta
+        text = self._released[rid]
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = req.logprobs
+            for entry in logprobs[-len(new_ids):] if new_ids else []:
+                for tok, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([tok])
+        metrics = self._metrics[rid]
+        prompt = self._prompts.get(rid)
+        if finished:
+            metrics.finished_time = time.monotonic()
+            for d in (self._detok, self._released, self._metrics, self._prompts):
+                d.pop(rid, None)
+        comp = CompletionOutput(0, text, list(req.output_token_ids), None, logprobs, req.status.finish_reason,
+                                req.stop_reason, delta, new_ids)
+        return RequestOutput(rid, prompt, req.prompt_token_ids, [comp], finished,
+                             max(req.num_cached_tokens, 0), metrics, req.error)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

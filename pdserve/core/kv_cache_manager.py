@@ -1,0 +1,83 @@
+"""Per-request block tables on top of the BlockPool: prefix-cache lookup, slot allocation, publishing full blocks."""
+from __future__ import annotations
+
+from pdserve.core.block_pool import BlockPool, hash_block
+from pdserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[int]] = {}
+        self._num_published: dict[str, int] = {}  # leading blocks of a request already in the prefix cache
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def _update_hashes(self, req: Request) -> None:
+        bs, hashes = self.block_size, req.block_hashes
+        for i in range(len(hashes), req.num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks. It never covers the last token: that token's logits are needed."""
+        if not self.pool.enable_caching:
+            return [], 0
+        self._update_hashes(req)
+        hits = []
+        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` after the request's computed tokens (plus any cache hits given).
+        All or nothing: on False nothing changed."""
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        # Hits waiting in the free queue leave it when touched, so they count against the free blocks too.
+        evictable_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            if not blocks:
+                del self.req_blocks[req.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if computed_blocks:
+            self._num_published[req.request_id] = len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Publish the request's blocks that are full and whose tokens are all computed."""
+        if not self.pool.enable_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        start = self._num_published.get(req.request_id, 0)
+        if full <= start:
+            return
+        self._update_hashes(req)
+        blocks = self.req_blocks[req.request_id]
+        for i in range(start, min(full, len(req.block_hashes))):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self._num_published[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self._num_published.pop(req.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(self.req_blocks.values())

@@ -1,0 +1,165 @@
+"""Continuous batching: running requests first, then admissions; chunked prefill; preemption by recompute.
+
+One step:
+1. every RUNNING request gets its next tokens (1 for a decode, up to the budget for a prefill chunk); when blocks
+   run out, the most recently admitted running request is preempted (blocks freed, back to the queue's front);
+2. if nothing was preempted, WAITING/PREEMPTED requests are admitted in order while seats, tokens and blocks last,
+   starting after their prefix-cache hit;
+3. after the model ran, `update_from_output` advances `num_computed_tokens`, publishes full blocks, appends the
+   sampled token of each row that reached the end of its known tokens, and applies the stop conditions.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdserve.config import SchedulerConfig
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The row ends at the request's last known token, so its logits give the next token."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                out.rows.append(ScheduledRow(req, req.num_computed_tokens, num_new))
+                budget -= num_new
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.rows.append(ScheduledRow(req, num_hit, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[Optional[int]]) -> list[Request]:
+        """Apply one step's results; returns the requests that got a new token (finished ones included)."""
+        updated = []
+        for row, token in zip(out.rows, sampled):
+            req = row.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += row.num_scheduled_tokens
+            self.kv.cache_blocks(req)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            updated.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        sp = req.sampling_params
+        if req.num_tokens >= self.max_model_len or req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_output_tokens < sp.min_tokens:
+            return None
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, error: Optional[str] = None) -> Optional[Request]:
+        """Finish (stop, abort, fail) a request in any state and free its blocks. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.error = error
+        return req
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        owners = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert set(self.kv.req_blocks) <= owners, f"blocks held by unknown requests: {set(self.kv.req_blocks) - owners}"
+        for r in self.waiting:
+            assert r.request_id not in self.kv.req_blocks or r.status == RequestStatus.WAITING_FOR_REMOTE_KV

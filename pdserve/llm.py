@@ -1,0 +1,89 @@
+"""Offline batch inference: `LLM(model_dir, **engine_args).generate(prompts, params)`, as vLLM's `LLM`."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from pdserve.config import EngineConfig
+from pdserve.core.engine import LLMEngine
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+PromptInput = Union[str, list[int], dict]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of these.
+        Returns one finished RequestOutput per prompt, in order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate([{"prompt_token_ids": tok(p, add_special_tokens=False).input_ids, "prompt": p}
+                              for p in prompts], sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    out = []
+    for p in prompts:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                out.append(list(p["prompt_token_ids"]))
+            elif "prompt" in p:
+                out.append(p["prompt"])
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(p, (str, list)):
+            out.append(p)
+        else:
+            raise ValueError(f"unsupported prompt type {type(p).__name__}")
+    return out

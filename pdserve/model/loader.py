@@ -1,0 +1,121 @@
+"""Load a Hugging Face checkpoint directory (config.json + single or sharded safetensors) into CausalLM."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from pdserve.model.transformer import ARCHITECTURES, CausalLM, ModelDims
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{str(model_dir)!r} has no config.json: not a Hugging Face model directory")
+    cfg = json.loads(path.read_text())
+    arch = (cfg.get("architectures") or ["<none>"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)}")
+    return cfg
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """Both spellings: transformers >= 5 writes `rope_parameters`, older files `rope_theta` + `rope_scaling`."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    rope = {**scaling, **rope}
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def model_dims(cfg: dict, max_positions: int) -> ModelDims:
+    heads = cfg["num_attention_heads"]
+    return ModelDims(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_positions=max_positions,
+        attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope=rope_parameters(cfg))
+
+
+def resolve_dtype(name: str, cfg: dict, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    ckpt = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = DTYPES.get(ckpt, torch.float32)
+    return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{str(model_dir)!r} has no model.safetensors or model.safetensors.index.json")
+    for name in files:
+        with safe_open(model_dir / name, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    model_dir = Path(model_dir)
+    cfg = read_hf_config(model_dir)
+    dims = model_dims(cfg, max_positions)
+    with torch.device(device):
+        model = CausalLM(dims, ARCHITECTURES[cfg["architectures"][0]], dtype)
+    params = dict(model.named_parameters())
+    # HF name -> (our parameter, row offset within the fused weight)
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    loaded = set()
+    for key, tensor in iter_safetensors(model_dir):
+        name = key.removeprefix("model.")
+        if "rotary_emb" in name:
+            continue
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[0] == "layers":
+            parts = [p for p in parts if p not in ("self_attn", "mlp")]
+            name = ".".join(parts)
+            if parts[2] in fused:
+                target, shard = fused[parts[2]]
+                name = ".".join([parts[0], parts[1], target, parts[3]])
+                dst = params[name]
+                sizes = _fused_sizes(dims, target)
+                start = sum(sizes[:shard])
+                dst.data[start:start + sizes[shard]].copy_(tensor)
+                loaded.add((name, shard))
+                continue
+        if name not in params:
+            raise ValueError(f"unexpected tensor {key!r} in checkpoint {model_dir}")
+        params[name].data.copy_(tensor)
+        loaded.add((name, 0))
+    if dims.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        loaded.add(("lm_head.weight", 0))
+    missing = [name for name in params for s in range(_NUM_SHARDS.get(name.split(".")[-2], 1))
+               if (name, s) not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(sorted(set(missing))[:8])}")
+    return model.eval()
+
+
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+def _fused_sizes(d: ModelDims, target: str) -> list[int]:
+    if target == "qkv_proj":
+        return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim]
+    return [d.intermediate_size, d.intermediate_size]

@@ -1,0 +1,100 @@
+"""The decoder shared by Qwen3 and Llama (they differ in per-head q/k norms and bias flags).
+
+Q/K/V and gate/up projections are fused at load time: fewer, larger GEMMs per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pdserve.worker.attention import AttentionMetadata, attention
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What an architecture name means for the shared decoder."""
+    qk_norm: bool
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    "LlamaForCausalLM": ArchSpec(qk_norm=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_positions: int
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    rope: dict
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: ModelDims, spec: ArchSpec, dtype: torch.dtype):
+        super().__init__()
+        self.d = d
+        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
+        self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        self.qkv_proj = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, d.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, d.hidden_size, d.attention_bias, dtype)
+        self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype) if spec.qk_norm else None
+        self.gate_up_proj = Linear(d.hidden_size, 2 * d.intermediate_size, d.mlp_bias, dtype)
+        self.down_proj = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, dtype)
+        self.scale = d.head_dim ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        d, t = self.d, x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, d.num_heads, d.head_dim)
+        k = k.reshape(t, d.num_kv_heads, d.head_dim)
+        v = v.reshape(t, d.num_kv_heads, d.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        x = x + self.o_proj(attention(q, k, v, kv_cache, meta, self.scale))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, d: ModelDims, spec: ArchSpec, dtype: torch.dtype):
+        super().__init__()
+        self.dims = d
+        self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(d, spec, dtype) for _ in range(d.num_layers))
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
+        self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
+        self.rope = RotaryEmbedding(d.head_dim, d.max_positions, d.rope, dtype)
+        self.kv_caches: list[torch.Tensor] = []  # set by the model runner, one per layer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, self.kv_caches):
+            x = layer(x, positions, self.rope, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack_for_cpu()

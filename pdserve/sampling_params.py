@@ -1,0 +1,140 @@
+"""vLLM-compatible sampling parameters (pure Python, no torch)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional, Union
+
+# vLLM treats anything below this as temperature 0 (exact 0 would divide by zero).
+_SAMPLING_EPS = 1e-5
+_MAX_LOGPROBS = 20
+# Keys vLLM copies from a model's generation_config.json into the default params.
+_GEN_CFG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _float(name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
+        raise ValueError(f"{name} must be a number, got {x!r}")
+    return float(x)
+
+
+def _int(name: str, x: Any, allow_none: bool = False) -> Optional[int]:
+    if x is None and allow_none:
+        return None
+    if not _is_int(x):
+        raise ValueError(f"{name} must be an int{' or None' if allow_none else ''}, got {x!r}")
+    return x
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1 on input) disables top-k
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16  # None = up to the context limit
+    min_tokens: int = 0
+    stop: Union[str, list[str], None] = field(default_factory=list)
+    stop_token_ids: Optional[list[int]] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-N; 0 = only the sampled token's logprob
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n)
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (n > 1 is not supported), got {self.n}")
+
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = 0 if self.top_k is None else _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.seed = _int("seed", self.seed, allow_none=True)
+
+        self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 or None, got {self.max_tokens}")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain empty strings")
+        self.stop = list(stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.logprobs = _int("logprobs", self.logprobs, allow_none=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _float(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+
+        # Like vLLM: under greedy the truncation knobs are meaningless, so neutralise them
+        # and the sampler never has to special-case them.
+        if self.temperature < _SAMPLING_EPS:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def sampling_type(self) -> str:
+        if self.temperature < _SAMPLING_EPS:
+            return "greedy"
+        return "random_seed" if self.seed is not None else "random"
+
+    def clone(self) -> "SamplingParams":
+        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+
+    @classmethod
+    def from_generation_config(cls, gen_cfg: Any, **overrides: Any) -> "SamplingParams":
+        """Model defaults from generation_config.json (dict or object with to_dict()), then
+        the caller's explicit overrides. Keys that are absent or None are not applied."""
+        if gen_cfg is not None and not isinstance(gen_cfg, dict):
+            gen_cfg = gen_cfg.to_dict()
+        gen_cfg = gen_cfg or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        kwargs = {k: gen_cfg[k] for k in _GEN_CFG_KEYS if gen_cfg.get(k) is not None}
+        if gen_cfg.get("max_new_tokens") is not None:
+            kwargs["max_tokens"] = gen_cfg["max_new_tokens"]
+        kwargs.update(overrides)
+        return cls(**kwargs)

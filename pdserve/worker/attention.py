@@ -1,0 +1,66 @@
+"""Torch-native paged attention over per-layer KV tensors `[2, num_blocks, block_size, kv_heads, head_dim]`.
+
+A batch is split into groups of rows with one query length each. A group attends through its block table
+`[rows, width]`; a key at context index j is visible to a query at position p iff j <= p. That one rule is the causal
+mask for prefill chunks, the context bound for decodes, and it hides the tail of the last block and any null-block
+padding of the table. A FULL decode step is a single group over the static buffers, so its shapes never change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnGroup:
+    tokens: Union[slice, torch.Tensor]  # this group's rows in the flattened token dimension, row-major
+    block_table: torch.Tensor  # [rows, width] int64
+    positions: torch.Tensor  # [rows, query_len] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; where each token's K/V is written
+    groups: list[AttnGroup]
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    kv_cache[0].view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q: [rows * query_len, q_heads, dim] -> [rows * query_len, q_heads * dim]."""
+    rows, width = block_table.shape
+    qlen = positions.shape[1]
+    _, _, block_size, kv_heads, dim = kv_cache.shape
+    q_heads = q.shape[1]
+    group = q_heads // kv_heads
+    ctx = width * block_size
+    k = kv_cache[0][block_table].view(rows, ctx, kv_heads, dim).transpose(1, 2)
+    v = kv_cache[1][block_table].view(rows, ctx, kv_heads, dim).transpose(1, 2)
+    # Query heads sharing a KV head are folded into the query axis, so K/V are never repeated.
+    qh = q.view(rows, qlen, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group * qlen, dim)
+    visible = torch.arange(ctx, device=q.device)[None, None, :] <= positions[:, :, None]
+    mask = visible[:, None, None].expand(rows, 1, group, qlen, ctx).reshape(rows, 1, group * qlen, ctx)
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+    return out.view(rows, kv_heads, group, qlen, dim).permute(0, 3, 1, 2, 4).reshape(rows * qlen, q_heads * dim)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+              scale: float) -> torch.Tensor:
+    write_kv(kv_cache, meta.slot_mapping, k, v)
+    if len(meta.groups) == 1 and isinstance(meta.groups[0].tokens, slice):
+        g = meta.groups[0]
+        return paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, scale)
+    # Zeros, not empty: padded tokens outside every group must stay finite, since their K/V land in the null
+    # block and a masked NaN still poisons softmax(QK)V.
+    out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    for g in meta.groups:
+        out[g.tokens] = paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, scale)
+    return out

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models of both architectures, built once per session in a private PDSERVE_HOME."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def pdserve_home(tmp_path_factory):
+    home = os.environ.get("PDSERVE_TEST_HOME") or str(tmp_path_factory.mktemp("pdserve_home"))
+    old = os.environ.get("PDSERVE_HOME")
+    os.environ["PDSERVE_HOME"] = home
+    yield home
+    if old is None:
+        os.environ.pop("PDSERVE_HOME", None)
+    else:
+        os.environ["PDSERVE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_models(pdserve_home):
+    """{"qwen3": dir, "llama": dir}: tiny random models (llama with Llama-3 rope scaling, qwen3 with tied
+    embeddings)."""
+    from pdserve.model.make_model import ensure_model
+    return {arch: str(ensure_model(arch, "tiny", 0)) for arch in ("qwen3", "llama")}
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny(tiny_models):
+    return tiny_models["qwen3"]

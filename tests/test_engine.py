@@ -1,0 +1,156 @@
+"""Engine behaviour on a tiny model: sampling, streaming text, stop conditions, errors, block accounting."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.request import RequestStatus
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tiny):
+    return LLM(qwen3_tiny, max_num_batched_tokens=64, max_model_len=512)
+
+
+def _drain(engine):
+    """Step until idle; per request: concatenated deltas, last output."""
+    streamed, final = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] = streamed.get(out.request_id, "") + out.outputs[0].delta_text
+            final[out.request_id] = out
+    return streamed, final
+
+
+def _assert_clean(engine):
+    engine.check_invariants()
+    assert engine.kv.num_free_blocks() == engine.num_blocks - 1
+
+
+def test_seeded_sampling_reproducible(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    a = llm.generate(["def main():"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    # Same seed, now batched with unseeded random requests: the seeded stream must not change.
+    noisy = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(["import re", "def main():", "x = 1"], [noisy, sp, noisy], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == a
+    c = llm.generate(["def main():"], SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0].token_ids
+    assert c != a
+    _assert_clean(llm.engine)
+
+
+def test_min_p_and_top_k_1_are_greedy_like(llm):
+    greedy = llm.generate(["class A:"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    k1 = llm.generate(["class A:"], SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=12, ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0].token_ids
+    assert k1 == greedy
+
+
+def test_streamed_text_equals_final_text_multibyte(llm):
+    e = llm.engine
+    prompts = ["héllo 世界 🙂 ", "日本語のテキスト", "emoji 🙂🙃🙂 and more", "def f():"]
+    for i, p in enumerate(prompts):
+        e.add_request(p, SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True), request_id=f"mb{i}")
+    streamed, final = _drain(e)
+    for rid, out in final.items():
+        assert out.finished
+        assert streamed[rid] == out.outputs[0].text
+        assert "\ufffd" not in streamed[rid] or "\ufffd" in e.tokenizer.decode(out.outputs[0].token_ids)
+    _assert_clean(e)
+
+
+def test_stop_string_holdback_and_truncation(llm):
+    e = llm.engine
+    base = llm.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 12, text
+    stop = text[8:12]  # a stop string that appears mid-output, likely spanning tokens
+    e.add_request("import os\n", SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True),
+                  request_id="stop")
+    e.add_request("import os\n", SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True,
+                                                include_stop_str_in_output=True), request_id="stop-incl")
+    streamed, final = _drain(e)
+    out = final["stop"].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)] and streamed["stop"] == out.text
+    incl = final["stop-incl"].outputs[0]
+    assert incl.text == text[:text.index(stop) + len(stop)] and streamed["stop-incl"] == incl.text
+    _assert_clean(e)
+
+
+def test_stop_token_ids_and_length(llm):
+    base = llm.generate(["for i in"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 10
+    target = base.token_ids[3]
+    first = base.token_ids.index(target)
+    out = llm.generate(["for i in"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == target and out.token_ids == base.token_ids[:first + 1]
+    mt = llm.generate(["for i in"], SamplingParams(temperature=0, max_tokens=10, min_tokens=8,
+                                                   stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert len(mt.token_ids) >= 8
+
+
+def test_logprobs(llm):
+    out = llm.generate(["x ="], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert entry[tok].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+        assert all(lp.logprob <= 0 and lp.decoded_token is not None for lp in entry.values())
+
+
+def test_token_id_prompts_and_chat(llm):
+    ids = llm.get_tokenizer()("def f(x):").input_ids
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = llm.generate("def f(x):", sp, use_tqdm=False)[0]
+    b = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt_token_ids == ids
+    chat = llm.chat([{"role": "user", "content": "hello"}], sp, use_tqdm=False)[0]
+    assert "<|im_start|>assistant" in llm.get_tokenizer().decode(chat.prompt_token_ids)
+    assert len(chat.outputs[0].token_ids) == 8
+
+
+def test_bad_inputs_raise_clear_errors(llm, tmp_path):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate("x", SamplingParams(top_p=0))
+    with pytest.raises(ValueError, match="max_tokens.*max_model_len|max_model_len"):
+        llm.generate("x", SamplingParams(max_tokens=10_000), use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=2), use_tqdm=False)
+    _assert_clean(llm.engine)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM.*LlamaForCausalLM"):
+        LLM(str(tmp_path))
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        LLM(str(tmp_path), not_a_flag=1)
+
+
+def test_abort_frees_blocks(llm):
+    e = llm.engine
+    for i in range(4):
+        e.add_request("def g():\n" * 10, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                      request_id=f"ab{i}")
+    e.step()
+    e.step()
+    out = e.abort_request("ab1")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert e.abort_request("ab1") is None
+    e.abort_request("ab3")
+    _, final = _drain(e)
+    assert final["ab0"].outputs[0].finish_reason == "length"
+    assert e.scheduler.requests == {} and not any(s == RequestStatus.RUNNING for s in [])
+    _assert_clean(e)

@@ -1,0 +1,106 @@
+import pytest
+
+from pdserve.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 1.0, 1.0, 0, 0.0, None)
+    assert (p.max_tokens, p.min_tokens, p.stop, p.stop_token_ids) == (16, 0, [], [])
+    assert (p.ignore_eos, p.logprobs, p.include_stop_str_in_output) == (False, None, False)
+    assert (p.skip_special_tokens, p.spaces_between_special_tokens) == (True, True)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.sampling_type == "random"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2), ("n", 0), ("n", "1"),
+    ("temperature", -1.0), ("temperature", "hot"), ("temperature", float("nan")), ("temperature", None),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", True),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
+    ("min_p", -0.1), ("min_p", 1.1),
+    ("seed", 1.5), ("seed", "42"), ("seed", True),
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 2.0),
+    ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["ok", None]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 3),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.1),
+    ("frequency_penalty", 2.01), ("frequency_penalty", "x"),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("ignore_eos", 1), ("include_stop_str_in_output", "yes"), ("skip_special_tokens", None),
+    ("spaces_between_special_tokens", 0),
+])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_messages():
+    with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1.0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="not supported"):
+        SamplingParams(n=4)
+
+
+def test_valid_edge_values():
+    p = SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=1, max_tokens=None, min_tokens=100,
+                       logprobs=0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-3,
+                       seed=0, stop="###", stop_token_ids=(0, 7))
+    assert p.top_k == 0 and p.max_tokens is None and p.logprobs == 0
+    assert p.stop == ["###"] and p.stop_token_ids == [0, 7]
+    assert isinstance(p.temperature, float) and isinstance(p.presence_penalty, float)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=50).top_k == 50
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+    assert SamplingParams(logprobs=20).logprobs == 20
+    assert SamplingParams(max_tokens=5, min_tokens=5).min_tokens == 5
+
+
+def test_sampling_type_and_greedy():
+    assert SamplingParams(temperature=0.0).sampling_type == "greedy"
+    assert SamplingParams(temperature=5e-6, seed=3).sampling_type == "greedy"
+    assert SamplingParams(temperature=1e-5).sampling_type == "random"
+    assert SamplingParams(temperature=0.7, seed=3).sampling_type == "random_seed"
+    # greedy ignores truncation settings (still validated first)
+    g = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2)
+    assert (g.top_k, g.top_p, g.min_p) == (0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=0, top_p=2.0)
+
+
+def test_clone_is_independent():
+    p = SamplingParams(stop=["a"], stop_token_ids=[1], temperature=0.5)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("b")
+    q.stop_token_ids.append(2)
+    assert p.stop == ["a"] and p.stop_token_ids == [1]
+
+
+def test_from_generation_config():
+    cfg = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+           "max_new_tokens": 256, "do_sample": True, "eos_token_id": [1, 2], "bos_token_id": 0}
+    p = SamplingParams.from_generation_config(cfg)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (
+        0.6, 0.9, 20, 0.05, 1.1, 256)
+    assert p.stop_token_ids == []  # eos handling belongs to the engine
+    q = SamplingParams.from_generation_config(cfg, temperature=0.0, max_tokens=8, stop="x")
+    assert (q.temperature, q.max_tokens, q.stop, q.sampling_type) == (0.0, 8, ["x"], "greedy")
+    assert q.repetition_penalty == 1.1
+    # absent / None keys fall back to SamplingParams defaults
+    r = SamplingParams.from_generation_config({"temperature": None, "top_k": -1})
+    assert r == SamplingParams()
+    assert SamplingParams.from_generation_config(None, seed=1) == SamplingParams(seed=1)
+
+
+def test_from_generation_config_object_and_errors():
+    class Cfg:
+        def to_dict(self):
+            return {"top_p": 0.8}
+
+    assert SamplingParams.from_generation_config(Cfg()).top_p == 0.8
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_generation_config({"top_p": 0.0})
+    with pytest.raises(ValueError, match="temprature"):
+        SamplingParams.from_generation_config({}, temprature=0.1)

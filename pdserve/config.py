@@ -44,23 +44,86 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _f(True, "Split long prompts over several steps to fit the token budget.")
 
 
+CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+FullGraphRule = Literal["strict", "prompt-tail", "decode-shaped"]
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    cudagraph_mode: CUDAGraphModeName = _f("FULL_AND_PIECEWISE", "Graph policy: FULL decode graphs for eligible "
+                                           "batches and/or PIECEWISE (non-attention segments) for the rest.")
+    cudagraph_capture_sizes: Optional[str] = _f(None, "Comma-separated token counts to capture (default: 1, 2, 4, "
+                                                      "multiples of 8 below 256, then multiples of 16).")
+    max_cudagraph_capture_size: Optional[int] = _f(None, "Largest capture size (default: min(2 x max_num_seqs, 512)).")
+    enforce_eager: bool = _f(False, "Never use graphs (wins over --cudagraph-mode).")
+    full_graph_rule: FullGraphRule = _f("decode-shaped", "Which rows may ride a FULL decode graph: strict (no "
+                                        "prefill row, vLLM MRv2 before the fix), prompt-tail (the fix: a one-token "
+                                        "prompt tail over prior context on a P/D consumer), decode-shaped (every "
+                                        "row q tokens over prior context, any role).")
+    cudagraph_metrics: bool = _f(False, "Log a table of graph-mode step counts with the reason for every non-FULL "
+                                        "step.")
+    cudagraph_metrics_interval: float = _f(10.0, "Seconds between --cudagraph-metrics tables.")
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        if self.cudagraph_capture_sizes:
+            try:
+                sizes = sorted({int(x) for x in self.cudagraph_capture_sizes.split(",") if x.strip()})
+            except ValueError:
+                raise ValueError(f"cudagraph_capture_sizes must be comma-separated integers, "
+                                 f"got {self.cudagraph_capture_sizes!r}") from None
+            if not sizes or sizes[0] < 1:
+                raise ValueError("cudagraph_capture_sizes must be positive integers")
+            return sizes
+        top = self.max_cudagraph_capture_size or min(2 * max_num_seqs, 512)
+        ladder = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, top + 1, 16))
+        return [s for s in ladder if s <= top] or [1]
+
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+# Connectors that move prompt KV between a prefill and a decode node. DecodeBenchConnector is the D-side arrival
+# driver: it fills the KV of arriving requests with a local prefill pass, standing in for a producer.
+PD_CONNECTORS = ("TcpConnector", "DecodeBenchConnector")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: KVRole
+    connectors: tuple = ()  # children, for MultiConnector
+
+    @property
+    def is_pd_consumer(self) -> bool:
+        names = [c.kv_connector for c in self.connectors] if self.kv_connector == "MultiConnector" else [self.kv_connector]
+        return self.kv_role == "kv_consumer" and any(n in PD_CONNECTORS for n in names)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    compilation: CompilationConfig = CompilationConfig()
+    kv_transfer: Optional[KVTransferConfig] = None
+
+    @property
+    def is_pd_consumer(self) -> bool:
+        return self.kv_transfer is not None and self.kv_transfer.is_pd_consumer
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
         """Build from flat vLLM-style engine args (dtype=..., block_size=...); unknown names are an error."""
         parts = {}
-        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        kv = kwargs.pop("kv_transfer_config", None)
+        if isinstance(kv, dict):
+            kv = KVTransferConfig(**kv)
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                          ("compilation", CompilationConfig)):
             names = {f.name for f in dataclasses.fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         parts["model"] = dataclasses.replace(parts["model"], model=str(model))
-        cfg = cls(**parts)
+        cfg = cls(**parts, kv_transfer=kv)
         cfg.validate()
         return cfg
 
@@ -76,13 +139,16 @@ class EngineConfig:
             (c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2,
              "num_gpu_blocks_override must be >= 2"),
             (self.model.max_model_len is None or self.model.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.compilation.cudagraph_metrics_interval > 0, "cudagraph_metrics_interval must be > 0"),
+            (self.compilation.max_cudagraph_capture_size is None or self.compilation.max_cudagraph_capture_size >= 1,
+             "max_cudagraph_capture_size must be >= 1"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
 
 
-ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, CompilationConfig)
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:

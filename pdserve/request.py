@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from typing import Optional
 
@@ -40,7 +41,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # Effective output cap: sampling_params.max_tokens, or what the context leaves when it is None.
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.max_tokens = next((m for m in (max_tokens, sampling_params.max_tokens) if m is not None), sys.maxsize)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING

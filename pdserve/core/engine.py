@@ -45,6 +45,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
+        self.runner.capture_graphs()
         self.tokenizer = load_tokenizer(mc.model)
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
         self.eos_token_ids = self._eos_ids()
@@ -99,6 +100,30 @@ class LLMEngine:
         self._metrics[request_id] = RequestMetrics(req.arrival_time)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return req
+
+    def add_prefilled_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                              request_id: Optional[str] = None) -> Request:
+        """D-side arrival driver without P (as vLLM's DecodeBenchConnector): the first n - 1 prompt tokens get real
+        KV from a separate local prefill pass (after any prefix-cache hit), then the request waits to be scheduled
+        as the one-token replay of its last prompt token, exactly as a request whose KV came from a prefill node."""
+        req = self.add_request(prompt, params, request_id)
+        n = req.num_prompt_tokens
+        if n < 2:
+            return req  # nothing to import: it is a fresh one-token prompt
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, n - 1 - num_hit, hits):
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, "no free KV blocks")
+            raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
+        req.num_computed_tokens = num_hit
+        self.runner.prefill_kv(req, num_hit, n - 1, self.kv.blocks_of)
+        req.num_computed_tokens = n - 1
+        req.num_cached_tokens = num_hit
+        self.kv.cache_blocks(req)
+        return req
+
+    def graph_stats(self) -> dict:
+        """Graph-mode step counts since start: FULL / non-FULL, by (mode, reason), padded tokens."""
+        return self.runner.graph_stats.snapshot()
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

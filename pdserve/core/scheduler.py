@@ -47,6 +47,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # Without chunking a whole (re)computed sequence must fit one step, or it could never be admitted.
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len}) when enable_chunked_prefill is off")
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -84,16 +88,27 @@ class Scheduler:
                 budget -= num_new
         if out.preempted:
             return out
+        # FIFO, except that once a request cannot be admitted, only requests that already hold their KV (imported)
+        # may pass it: they need at most a block more, and letting them finish frees memory for the head.
+        skipped: list[Request] = []
+        blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            req = self.waiting.popleft()
+            holds_kv = req.num_computed_tokens > 0
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV or (blocked and not holds_kv):
+                skipped.append(req)
+                continue
+            if holds_kv:
+                hits, num_hit = [], req.num_computed_tokens
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
+            if (num_new > budget and not self.config.enable_chunked_prefill) or \
+                    not self.kv.allocate_slots(req, min(num_new, budget), hits):
+                skipped.append(req)
+                blocked = True
+                continue
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
-                break
-            self.waiting.popleft()
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -101,6 +116,7 @@ class Scheduler:
             self.running.append(req)
             out.rows.append(ScheduledRow(req, num_hit, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -161,5 +177,6 @@ class Scheduler:
         self.kv.check_invariants()
         owners = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         assert set(self.kv.req_blocks) <= owners, f"blocks held by unknown requests: {set(self.kv.req_blocks) - owners}"
-        for r in self.waiting:
-            assert r.request_id not in self.kv.req_blocks or r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        for r in self.waiting:  # only requests with imported KV wait while holding blocks
+            assert r.request_id not in self.kv.req_blocks or r.num_computed_tokens > 0 \
+                or r.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{r} waits holding blocks"

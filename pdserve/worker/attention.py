@@ -55,7 +55,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
               scale: float) -> torch.Tensor:
     write_kv(kv_cache, meta.slot_mapping, k, v)
-    if len(meta.groups) == 1 and isinstance(meta.groups[0].tokens, slice):
+    first = meta.groups[0].tokens
+    if len(meta.groups) == 1 and isinstance(first, slice) and first.start == 0 and first.stop == q.shape[0]:
         g = meta.groups[0]
         return paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, scale)
     # Zeros, not empty: padded tokens outside every group must stay finite, since their K/V land in the null

@@ -54,10 +54,11 @@ class InputBuffers:
             self.dev[n] for n in names)
 
     def prepare(self, rows, blocks_of, num_tokens_padded: int | None = None, num_reqs_padded: int | None = None,
-                full_width: bool = False) -> PreparedBatch:
-        """Fill the buffers for `rows` (ScheduledRow). With padding, the extra tokens and rows point at the null
-        block, so they write and read only it. `full_width` makes every row attend through the whole block-table
-        width (fixed shapes for a FULL graph) instead of the widest row's."""
+                full_width: int | None = None) -> PreparedBatch:
+        """Fill the buffers for `rows` (ScheduledRow). Padded tokens and rows point at the null block, so they
+        write and read only it. `full_width` (FULL steps) makes one uniform group over the padded rows that attends
+        through that many block-table columns; otherwise each group attends through its widest row's blocks and
+        padded tokens belong to no group."""
         bs = self.block_size
         order = sorted(range(len(rows)), key=lambda i: rows[i].num_scheduled_tokens != 1)
         ids, pos, slots, table = self.np_input_ids, self.np_positions, self.np_slots, self.np_block_table
@@ -90,19 +91,25 @@ class InputBuffers:
         ids[t:tp] = 0
         pos[t:tp] = 0
         slots[t:tp] = NULL_BLOCK * bs
-        width = self.max_blocks if full_width else max(widths, default=1)
+        width = full_width or max(widths, default=1)
         table[:num_reqs, :width][np.arange(width)[None, :] >= np.asarray(widths)[:, None]] = NULL_BLOCK
         table[num_reqs:rp, :width] = NULL_BLOCK
         self.np_logits_idx[:len(logits_idx)] = logits_idx
         self._to_device(tp, rp, len(logits_idx))
-        meta = AttentionMetadata(self.slot_mapping[:tp], self._groups(rows, order, starts, widths, tp, rp, width))
+        if full_width:
+            qlen = tp // rp
+            groups = [AttnGroup(slice(0, tp), self.block_table[:rp, :width], self.positions[:tp].view(rp, qlen))]
+        else:
+            groups = self._groups(rows, order, starts, widths, t)
+        meta = AttentionMetadata(self.slot_mapping[:tp], groups)
         return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)])
 
-    def _groups(self, rows, order, starts, widths, tp, rp, width) -> list[AttnGroup]:
+    def _groups(self, rows, order, starts, widths, num_tokens) -> list[AttnGroup]:
         qlens = [rows[i].num_scheduled_tokens for i in order]
-        if len(set(qlens)) == 1:  # uniform batch: one group over the (padded) buffers
-            qlen = qlens[0]
-            return [AttnGroup(slice(0, tp), self.block_table[:rp, :width], self.positions[:tp].view(rp, qlen))]
+        if len(set(qlens)) == 1:  # uniform batch: one group
+            n = len(order)
+            return [AttnGroup(slice(0, num_tokens), self.block_table[:n, :max(widths)],
+                              self.positions[:num_tokens].view(n, qlens[0]))]
         n_dec = qlens.count(1)
         groups = []
         if n_dec:

@@ -10,6 +10,9 @@ from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import Sampler
+from pdserve.worker.cudagraph import FullGraphRunner
+from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher, classify
+from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
 
 
@@ -40,12 +43,28 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim, dtype=dtype,
                                       device=device) for _ in range(d.num_layers)]
         self.model.kv_caches = self.kv_caches
-        sched = config.scheduler
-        self.buffers = InputBuffers(max_tokens=self.max_num_tokens(), max_reqs=sched.max_num_seqs,
+        sched, comp = config.scheduler, config.compilation
+        self.uniform_query_len = 1  # 1 + num_speculative_tokens; no speculative decoding yet
+        self.is_pd_consumer = config.is_pd_consumer
+        capture_sizes = comp.capture_sizes(sched.max_num_seqs)
+        self.dispatcher = CudagraphDispatcher(capture_sizes, CUDAGraphMode(comp.cudagraph_mode), comp.enforce_eager,
+                                              self.uniform_query_len)
+        self.buffers = InputBuffers(max_tokens=max(self.max_num_tokens(), self.dispatcher.max_size),
+                                    max_reqs=max(sched.max_num_seqs, self.dispatcher.max_size),
                                     max_blocks_per_req=cdiv(max_model_len, self.block_size),
                                     block_size=self.block_size, device=device)
         self.sampler = Sampler(device, config.model.seed)
         self.logits_hook = None  # tests: called as hook(requests, logits) for every sampling step
+        self.full_graphs = FullGraphRunner(self.model, self.buffers, d.hidden_size, dtype, device)
+        self.graph_stats = GraphStats(device.type, captured=False,
+                                      log_interval=comp.cudagraph_metrics_interval if comp.cudagraph_metrics else None)
+
+    def capture_graphs(self, progress: bool = True) -> None:
+        """CUDA: capture the FULL decode graphs (PIECEWISE capture is not implemented: those steps run eagerly
+        on the padded buffers). CPU: nothing to capture."""
+        if self.device.type == "cuda":
+            self.full_graphs.capture(self.dispatcher.full_descriptors(), progress)
+            self.graph_stats.captured = bool(self.full_graphs.graphs)
 
     def max_num_tokens(self) -> int:
         return max(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs)
@@ -59,9 +78,34 @@ class ModelRunner:
         return hidden[batch.logits_indices]
 
     @torch.inference_mode()
+    def prefill_kv(self, req, start: int, end: int, blocks_of) -> None:
+        """Write real KV for tokens [start, end) of `req` with eager prefill chunks: no sampling, no graph step.
+        The D-side arrival driver uses it in place of a transfer from a prefill node."""
+        from pdserve.core.scheduler import ScheduledRow
+        chunk = self.max_num_tokens()
+        for c in range(start, end, chunk):
+            batch = self.buffers.prepare([ScheduledRow(req, c, min(chunk, end - c))], blocks_of)
+            self.forward(batch)
+
+    @torch.inference_mode()
     def execute(self, rows, blocks_of) -> StepResult:
-        batch = self.buffers.prepare(rows, blocks_of)
-        hidden = self.forward(batch)
+        num_tokens = sum(r.num_scheduled_tokens for r in rows)
+        cls = classify([r.num_scheduled_tokens for r in rows], [r.num_computed_tokens for r in rows],
+                       [r.prompt_len for r in rows], self.uniform_query_len,
+                       self.config.compilation.full_graph_rule, self.is_pd_consumer)
+        mode, desc, reason = self.dispatcher.dispatch(num_tokens, len(rows), cls)
+        if mode == CUDAGraphMode.FULL:
+            widest = max(cdiv(r.num_computed_tokens + r.num_scheduled_tokens, self.block_size) for r in rows)
+            width = self.full_graphs.width_for(widest)
+            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs, full_width=width)
+            hidden = self.full_graphs.run(desc, width)[batch.logits_indices]
+        else:
+            # PIECEWISE pads the token count to its captured size; its graphs are not captured yet, so the
+            # padded step runs eagerly.
+            padded = desc.num_tokens if mode == CUDAGraphMode.PIECEWISE else None
+            batch = self.buffers.prepare(rows, blocks_of, padded)
+            hidden = self.forward(batch)
+        self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
         return self.sample(rows, batch, hidden)
 
     def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:

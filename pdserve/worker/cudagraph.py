@@ -1,0 +1,91 @@
+"""FULL decode steps: one callable per BatchDescriptor whose only per-step inputs are the static input buffers.
+
+On CUDA each callable is captured once at start-up into a `torch.cuda.CUDAGraph` (largest first, one shared memory
+pool) and replayed per step. On CPU nothing can be captured: the same callable runs eagerly on the same buffers.
+Its attention reads a fixed block-table width: the whole table on CUDA (a graph's shapes are frozen), and on CPU
+the batch's widest row rounded up to a power of two, so an eager FULL step does not pay for max_model_len keys
+per row; each (descriptor, width) callable still has fixed shapes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from pdserve.worker.attention import AttentionMetadata, AttnGroup
+from pdserve.worker.cudagraph_dispatch import BatchDescriptor
+from pdserve.worker.input_batch import InputBuffers
+
+logger = logging.getLogger("pdserve.cudagraph")
+
+
+class FullGraphRunner:
+    def __init__(self, model, buffers: InputBuffers, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.buffers = buffers
+        self.device = device
+        self.out = torch.zeros(buffers.np_input_ids.shape[0], hidden_size, dtype=dtype, device=device)
+        self._steps: dict[tuple[BatchDescriptor, int], Callable[[], torch.Tensor]] = {}
+        self.graphs: dict[BatchDescriptor, "torch.cuda.CUDAGraph"] = {}
+        self.pool = None
+
+    def width_for(self, max_row_blocks: int) -> int:
+        full = self.buffers.max_blocks
+        if self.device.type == "cuda":
+            return full
+        w = 1
+        while w < max_row_blocks:
+            w *= 2
+        return min(w, full)
+
+    def step_callable(self, desc: BatchDescriptor, width: int) -> Callable[[], torch.Tensor]:
+        key = (desc, width)
+        if key not in self._steps:
+            b, t, r = self.buffers, desc.num_tokens, desc.num_reqs
+            meta = AttentionMetadata(b.slot_mapping[:t], [AttnGroup(slice(0, t), b.block_table[:r, :width],
+                                                                    b.positions[:t].view(r, desc.uniform_query_len))])
+            input_ids, positions, out = b.input_ids[:t], b.positions[:t], self.out[:t]
+            model = self.model
+
+            def step() -> torch.Tensor:
+                out.copy_(model(input_ids, positions, meta))
+                return out
+
+            self._steps[key] = step
+        return self._steps[key]
+
+    @torch.inference_mode()
+    def run(self, desc: BatchDescriptor, width: int) -> torch.Tensor:
+        graph = self.graphs.get(desc)
+        if graph is not None:
+            graph.replay()
+            return self.out[:desc.num_tokens]
+        return self.step_callable(desc, width)()
+
+    @torch.inference_mode()
+    def capture(self, descriptors: list[BatchDescriptor], progress: bool = True) -> None:
+        """CUDA only: capture every FULL descriptor, largest first so smaller graphs reuse the pool's memory."""
+        if self.device.type != "cuda" or not descriptors:
+            return
+        width = self.buffers.max_blocks
+        self.pool = torch.cuda.graph_pool_handle()
+        order = sorted(descriptors, key=lambda d: d.num_tokens, reverse=True)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(order, desc="Capturing CUDA graphs (FULL decode)", unit="graph")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for desc in (bar or order):
+                step = self.step_callable(desc, width)
+                step()  # warm-up outside capture: lazy initialisation must not be recorded
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    step()
+                self.graphs[desc] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured %d FULL decode graphs (%d..%d tokens)", len(order), order[-1].num_tokens,
+                    order[0].num_tokens)

@@ -1,0 +1,127 @@
+"""Which graph a step runs: the full-graph rule (a pure classification of the scheduled rows) and the dispatcher.
+
+A row is decode-shaped when it schedules exactly q = 1 + num_speculative_tokens tokens over prior context
+(num_computed_tokens > 0). The rule only decides graph eligibility; what a row reads, how attention splits it,
+whether it samples and where it writes KV all still follow the row's own phase.
+
+- strict: every row past its prompt and scheduling q tokens (vLLM MRv2 before the fix);
+- prompt-tail: the seed's fix: on a P/D consumer, with q == 1 and max query len 1, a prefill row with prior
+  context does not block;
+- decode-shaped (default): every row decode-shaped, any role, any q.
+Under every rule a fresh prompt row (num_computed_tokens == 0) blocks FULL: stateful layers read "no prior
+state" as a prefill.
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+Rule = Literal["strict", "prompt-tail", "decode-shaped"]
+Reason = Literal["prefill", "non_uniform", "over_capture_size", "eager_forced"]
+RULES: tuple[Rule, ...] = ("strict", "prompt-tail", "decode-shaped")
+
+
+class CUDAGraphMode(enum.Enum):
+    """Runtime modes (NONE, PIECEWISE, FULL) and policies (FULL_DECODE_ONLY, FULL_AND_PIECEWISE), as vLLM."""
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
+
+    def decode_mode(self) -> "CUDAGraphMode":
+        """Runtime mode for a FULL-eligible batch."""
+        return {"NONE": CUDAGraphMode.NONE, "PIECEWISE": CUDAGraphMode.PIECEWISE}.get(self.value, CUDAGraphMode.FULL)
+
+    def mixed_mode(self) -> "CUDAGraphMode":
+        """Runtime mode for any other batch (our attention has no FULL graph for mixed batches)."""
+        return CUDAGraphMode.PIECEWISE if self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE) \
+            else CUDAGraphMode.NONE
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """What a graph was captured for. uniform_query_len is 0 for PIECEWISE (token count only)."""
+    num_tokens: int
+    num_reqs: int
+    uniform_query_len: int
+
+
+@dataclass(frozen=True)
+class Classification:
+    full_eligible: bool
+    uniform_query_len: Optional[int]  # set when every row schedules the same number of tokens
+    reason: Optional[Reason]  # why not FULL-eligible; None when eligible
+
+
+def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prompt_lens: Sequence[int], q: int,
+             rule: Rule, is_pd_consumer: bool) -> Classification:
+    """Graph eligibility of one step's rows (three parallel sequences). Pure: no engine state."""
+    if not num_scheduled:
+        return Classification(False, None, "non_uniform")
+    uniform = num_scheduled[0] if all(n == num_scheduled[0] for n in num_scheduled) else None
+    if any(c == 0 for c in num_computed):
+        return Classification(False, uniform, "prefill")
+    if rule == "strict" or (rule == "prompt-tail" and not (is_pd_consumer and q == 1 and uniform == 1)):
+        if any(c < p for c, p in zip(num_computed, prompt_lens)):
+            return Classification(False, uniform, "prefill")
+    elif rule not in RULES:
+        raise ValueError(f"unknown full_graph_rule {rule!r}; choose from {', '.join(RULES)}")
+    if uniform != q:
+        # A row off the uniform length is a prefill chunk when it is still inside its prompt.
+        off = [(c, p) for n, c, p in zip(num_scheduled, num_computed, prompt_lens) if n != q]
+        return Classification(False, uniform, "prefill" if any(c < p for c, p in off) else "non_uniform")
+    return Classification(True, q, None)
+
+
+class CudagraphDispatcher:
+    """Maps a step to (runtime mode, padded descriptor, reason). FULL decode descriptors are preferred for eligible
+    batches, PIECEWISE (by token count) for the rest, NONE when nothing fits or eager is forced."""
+
+    def __init__(self, capture_sizes: Sequence[int], mode: CUDAGraphMode, enforce_eager: bool, q: int = 1):
+        self.sizes = sorted(set(capture_sizes))
+        self.max_size = self.sizes[-1] if self.sizes else 0
+        self.mode = CUDAGraphMode.NONE if enforce_eager else mode
+        self.q = q
+        # padding table: token count -> smallest captured size that fits
+        self.pad = [0] * (self.max_size + 1)
+        for n in range(1, self.max_size + 1):
+            self.pad[n] = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.full_sizes = [s for s in self.sizes if s % q == 0]
+        self.full_pad = {}
+        for n in range(1, self.max_size + 1):
+            i = bisect.bisect_left(self.full_sizes, n)
+            if i < len(self.full_sizes):
+                self.full_pad[n] = self.full_sizes[i]
+
+    def full_descriptors(self) -> list[BatchDescriptor]:
+        if self.mode.decode_mode() != CUDAGraphMode.FULL:
+            return []
+        return [BatchDescriptor(s, s // self.q, self.q) for s in self.full_sizes]
+
+    def piecewise_descriptors(self) -> list[BatchDescriptor]:
+        if CUDAGraphMode.PIECEWISE not in (self.mode.decode_mode(), self.mode.mixed_mode()):
+            return []
+        return [BatchDescriptor(s, s, 0) for s in self.sizes]
+
+    def dispatch(self, num_tokens: int, num_reqs: int, cls: Classification
+                 ) -> tuple[CUDAGraphMode, BatchDescriptor, Optional[Reason]]:
+        if self.mode == CUDAGraphMode.NONE:
+            return CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, 0), "eager_forced"
+        if num_tokens > self.max_size:
+            reason = "over_capture_size" if cls.full_eligible else cls.reason
+            return CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, 0), reason
+        runtime = self.mode.decode_mode() if cls.full_eligible else self.mode.mixed_mode()
+        if runtime == CUDAGraphMode.FULL and num_tokens in self.full_pad:
+            padded = self.full_pad[num_tokens]
+            return CUDAGraphMode.FULL, BatchDescriptor(padded, padded // self.q, self.q), None
+        if cls.full_eligible and runtime == CUDAGraphMode.FULL:  # FULL-eligible but no FULL size fits
+            runtime = self.mode.mixed_mode()
+            reason: Optional[Reason] = "over_capture_size"
+        else:
+            reason = cls.reason
+        if runtime == CUDAGraphMode.PIECEWISE:
+            return CUDAGraphMode.PIECEWISE, BatchDescriptor(self.pad[num_tokens], num_reqs, 0), reason
+        return CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, 0), reason

@@ -180,3 +180,15 @@ def test_seed_scenario_three_rules(qwen3_tiny):
         assert stats["non_full_by_reason"].get("prefill", 0) == 0 and stats["non_full_steps"] == 0, (rule, stats)
     assert results["strict"][2] == results["prompt-tail"][2] == results["decode-shaped"][2]
     assert len(results["strict"][2]) >= arrivals - 5  # the last few arrivals are still decoding at the end
+
+
+def test_cudagraph_metrics_table_is_logged(qwen3_tiny, caplog):
+    llm = make(qwen3_tiny, cudagraph_metrics=True, cudagraph_metrics_interval=1e-9)
+    with caplog.at_level("INFO", logger="pdserve.cudagraph"):
+        llm.generate(["def f():", "import os"], greedy(3), use_tqdm=False)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Runtime Mode" in text and "Reason" in text and "Num Paddings" in text
+    assert "PIECEWISE" in text and "prefill" in text and "FULL" in text
+    s = llm.engine.graph_stats()
+    assert s["device"] == "cpu" and s["captured"] is False
+    assert s["total_steps"] == s["full_steps"] + s["non_full_steps"] == 3

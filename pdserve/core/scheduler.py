@@ -24,10 +24,10 @@ class ScheduledRow:
     request: Request
     num_computed_tokens: int
     num_scheduled_tokens: int
+    prompt_len: int = 0  # the request's prompt length (a field, not a property: read per row every step)
 
-    @property
-    def prompt_len(self) -> int:
-        return self.request.num_prompt_tokens
+    def __post_init__(self):
+        self.prompt_len = self.request.num_prompt_tokens
 
     @property
     def samples(self) -> bool:

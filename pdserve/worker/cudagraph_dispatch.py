@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
@@ -59,13 +60,15 @@ class Classification:
 def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prompt_lens: Sequence[int], q: int,
              rule: Rule, is_pd_consumer: bool) -> Classification:
     """Graph eligibility of one step's rows (three parallel sequences). Pure: no engine state."""
+    # Builtins over whole sequences (min/max/map run in C): this runs every step over up to max_num_seqs rows.
     if not num_scheduled:
         return Classification(False, None, "non_uniform")
-    uniform = num_scheduled[0] if all(n == num_scheduled[0] for n in num_scheduled) else None
-    if any(c == 0 for c in num_computed):
+    lo, hi = min(num_scheduled), max(num_scheduled)
+    uniform = lo if lo == hi else None
+    if min(num_computed) == 0:
         return Classification(False, uniform, "prefill")
     if rule == "strict" or (rule == "prompt-tail" and not (is_pd_consumer and q == 1 and uniform == 1)):
-        if any(c < p for c, p in zip(num_computed, prompt_lens)):
+        if any(map(operator.lt, num_computed, prompt_lens)):
             return Classification(False, uniform, "prefill")
     elif rule not in RULES:
         raise ValueError(f"unknown full_graph_rule {rule!r}; choose from {', '.join(RULES)}")

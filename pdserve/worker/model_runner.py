@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: fills the input buffers, runs the forward pass, samples."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +15,11 @@ from pdserve.worker.cudagraph import FullGraphRunner
 from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher, classify
 from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
+
+
+_SCHEDULED = operator.attrgetter("num_scheduled_tokens")
+_COMPUTED = operator.attrgetter("num_computed_tokens")
+_PROMPT_LEN = operator.attrgetter("prompt_len")
 
 
 @dataclass
@@ -87,13 +93,17 @@ class ModelRunner:
             batch = self.buffers.prepare([ScheduledRow(req, c, min(chunk, end - c))], blocks_of)
             self.forward(batch)
 
+    def choose_graph(self, rows):
+        """(runtime mode, padded descriptor, reason, unpadded tokens) for a step's rows."""
+        num_scheduled = list(map(_SCHEDULED, rows))
+        num_tokens = sum(num_scheduled)
+        cls = classify(num_scheduled, list(map(_COMPUTED, rows)), list(map(_PROMPT_LEN, rows)),
+                       self.uniform_query_len, self.config.compilation.full_graph_rule, self.is_pd_consumer)
+        return (*self.dispatcher.dispatch(num_tokens, len(rows), cls), num_tokens)
+
     @torch.inference_mode()
     def execute(self, rows, blocks_of) -> StepResult:
-        num_tokens = sum(r.num_scheduled_tokens for r in rows)
-        cls = classify([r.num_scheduled_tokens for r in rows], [r.num_computed_tokens for r in rows],
-                       [r.prompt_len for r in rows], self.uniform_query_len,
-                       self.config.compilation.full_graph_rule, self.is_pd_consumer)
-        mode, desc, reason = self.dispatcher.dispatch(num_tokens, len(rows), cls)
+        mode, desc, reason, num_tokens = self.choose_graph(rows)
         if mode == CUDAGraphMode.FULL:
             widest = max(cdiv(r.num_computed_tokens + r.num_scheduled_tokens, self.block_size) for r in rows)
             width = self.full_graphs.width_for(widest)

@@ -1,0 +1,201 @@
+"""The engine loop that runs apart from the HTTP event loop: in a background thread or in a child process.
+
+It owns the `LLMEngine` (built here, so start-up never blocks the server), takes commands from an inbox between
+steps (add, abort, abort_all, query, stop) and hands each step's outputs to a sink as one `StepBatch` of plain,
+picklable records. Only this loop ever touches the engine, so no lock is needed: an abort reaches the scheduler at
+the next step boundary and frees the request's blocks there.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger("pdserve.serve.engine")
+
+
+@dataclass
+class TokenRecord:
+    """One request's progress in one step (or its end)."""
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    logprobs: Optional[list] = None  # per new token: [(token_id, logprob, rank, decoded), ...], sampled first
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class StepBatch:
+    time: float  # time.monotonic() when the step's outputs were ready (CLOCK_MONOTONIC: same clock across processes)
+    records: list[TokenRecord] = field(default_factory=list)
+    replies: list[tuple[int, Any]] = field(default_factory=list)  # (query id, result)
+
+
+@dataclass
+class EngineInfo:
+    """Sent once start-up is done."""
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    device: str
+    has_kv_connector: bool
+
+
+def _record(out) -> TokenRecord:
+    c = out.outputs[0]
+    lps = None
+    if c.logprobs is not None and c.delta_token_ids:
+        lps = []
+        for tok, entry in zip(c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]):
+            chosen = entry[tok]
+            rest = [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items() if t != tok]
+            lps.append([(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2]))
+    return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
+                       c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error)
+
+
+class EngineCore:
+    """`inbox.get(block)` returns a list of commands (maybe empty); `sink(obj)` delivers an EngineInfo, a StepBatch
+    or an Exception (start-up failed)."""
+
+    def __init__(self, engine_config, inbox, sink: Callable[[Any], None]):
+        self.engine_config = engine_config
+        self.inbox = inbox
+        self.sink = sink
+        self.engine = None
+        self._stop = False
+
+    def run(self) -> None:
+        try:
+            from pdserve.core.engine import LLMEngine
+            self.engine = LLMEngine(self.engine_config)
+        except BaseException as e:  # start-up failed: report it, the server exits
+            logger.exception("engine start-up failed")
+            self.sink(RuntimeError(f"engine start-up failed: {type(e).__name__}: {e}"))
+            return
+        eng = self.engine
+        self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
+                             eng.config.kv_transfer is not None))
+        while not self._stop:
+            busy = eng.has_unfinished_requests()
+            batch = StepBatch(0.0)
+            for cmd in self.inbox.get(block=not busy):
+                self._handle(cmd, batch)
+            if eng.has_unfinished_requests() and not self._stop:
+                batch.records.extend(_record(o) for o in eng.step())
+            if batch.records or batch.replies:
+                batch.time = time.monotonic()
+                self.sink(batch)
+        for rid in list(eng.scheduler.requests):  # stopped with requests left: free them
+            eng.abort_request(rid)
+
+    def _handle(self, cmd: tuple, batch: StepBatch) -> None:
+        eng, op = self.engine, cmd[0]
+        if op == "add":
+            _, rid, token_ids, params, arrival = cmd
+            try:
+                eng.add_request(token_ids, params, rid, arrival_time=arrival)
+            except Exception as e:  # validated before it was sent; should it still fail, fail this request only
+                logger.warning("[%s] add_request failed: %s", rid, e)
+                batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e)))
+        elif op == "abort":
+            out = eng.abort_request(cmd[1])
+            if out is not None:
+                logger.info("[%s] aborted", cmd[1])
+                batch.records.append(_record(out))
+        elif op == "abort_all":
+            for rid in list(eng.scheduler.requests):
+                batch.records.append(_record(eng.abort_request(rid)))
+            if batch.records:
+                logger.info("aborted %d request(s)", len(batch.records))
+        elif op == "query":
+            _, qid, name = cmd
+            try:
+                result = getattr(self, f"_q_{name}")()
+            except Exception as e:
+                result = e
+            batch.replies.append((qid, result))
+        elif op == "stop":
+            self._stop = True
+
+    def _q_stats(self) -> dict:
+        eng = self.engine
+        s = eng.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": eng.kv.pool.usage(),
+                "preemptions": s.num_preemptions, "graph": eng.graph_stats()}
+
+    def _q_kv(self) -> dict:
+        eng = self.engine
+        pool = eng.kv.pool
+        try:
+            eng.check_invariants()
+            ok, err = True, None
+        except AssertionError as e:
+            ok, err = False, str(e) or "assertion failed"
+        out = {"total_blocks": pool.num_usable_blocks, "free_blocks": pool.num_free_blocks,
+               "used_blocks": pool.num_usable_blocks - pool.num_free_blocks, "cached_blocks": len(pool.cached),
+               "invariants_ok": ok}
+        if err:
+            out["invariant_error"] = err
+        return out
+
+
+class QueueInbox:
+    """Thread transport: a queue.Queue of commands."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+
+    def put(self, cmd: tuple) -> None:
+        self.q.put(cmd)
+
+    def get(self, block: bool) -> list:
+        cmds = []
+        try:
+            if block:
+                cmds.append(self.q.get(timeout=1.0))
+            while True:
+                cmds.append(self.q.get_nowait())
+        except queue.Empty:
+            pass
+        return cmds
+
+
+class PipeInbox:
+    """Process transport (child side): commands arrive on a multiprocessing Connection."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def get(self, block: bool) -> list:
+        cmds = []
+        if block and not self.conn.poll(1.0):
+            return cmds
+        try:
+            while self.conn.poll():
+                cmds.append(self.conn.recv())
+        except (EOFError, OSError):  # the server went away
+            cmds.append(("stop",))
+        return cmds
+
+
+def run_in_process(engine_config, cmd_conn, out_conn, log_level: str) -> None:
+    """Entry point of the engine child process."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles signals and stops us with a command
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s")
+
+    def sink(obj):
+        try:
+            out_conn.send(obj)
+        except (BrokenPipeError, OSError):
+            pass
+
+    EngineCore(engine_config, PipeInbox(cmd_conn), sink).run()

@@ -1,0 +1,263 @@
+"""OpenAI request bodies (with vLLM's extra sampling fields) and their translation into a `GenerationRequest`.
+
+Bodies are validated strictly (a string is not a number, 1.0 is not an int) and every failure is a 400 naming the
+field. Unknown fields are kept aside so the caller can log them and go on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.serve.errors import APIError, bad_request
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
+# Request fields passed to SamplingParams as they are (when the client set them).
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n")
+_SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_completion_tokens", "top_logprobs"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(_Strict):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    n: Optional[int] = None
+    best_of: Optional[int] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict] = None
+    kv_transfer_params: Optional[dict] = None
+    return_token_ids: Optional[bool] = False  # vLLM: token ids in the choices and the prompt's in the response
+
+
+class CompletionRequest(_Common):
+    prompt: Any = None
+    max_tokens: Optional[int] = 16  # OpenAI's and vLLM's default for completions
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+
+
+class ChatRequest(_Common):
+    messages: Any = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    chat_template_kwargs: Optional[dict] = None
+    tools: Optional[list] = None
+    tool_choice: Any = None
+    response_format: Optional[dict] = None
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What request translation needs to know about the served model."""
+    names: tuple[str, ...]
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    generation_config: dict
+    has_kv_connector: bool = False
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt_token_ids: list[int]
+    prompt_text: Optional[str]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    echo: bool
+    return_token_ids: bool
+    unknown_fields: list[str]
+
+
+def parse_json_body(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _validate(cls, data: dict):
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+        param = ".".join(path) or None
+        got = err.get("input")
+        got_s = json.dumps(got)[:80] if isinstance(got, (int, float, str, bool, type(None))) else type(got).__name__
+        raise bad_request(f"{param}: {err['msg'].rstrip('.')} (got {got_s})", param) from None
+
+
+def _check_model(req: _Common, info: ModelInfo) -> str:
+    if req.model is None:
+        return info.names[0]
+    if req.model not in info.names:
+        raise APIError(404, f"The model `{req.model}` does not exist (served: {', '.join(info.names)}).", "model")
+    return info.names[0]
+
+
+def _check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad_request(f"{param}: token ids must be integers, got {json.dumps(t)[:40]}", param)
+        if not 0 <= t < info.vocab_size:
+            raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {info.vocab_size})", param)
+    return list(ids)
+
+
+def _completion_prompt(prompt: Any, info: ModelInfo) -> tuple[list[int], Optional[str]]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return info.tokenizer(prompt, add_special_tokens=True).input_ids, prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        raise bad_request("prompt: batched prompts (a list of several prompts) are not supported; send one "
+                          "request per prompt", "prompt")
+    if isinstance(prompt, list):
+        return _check_token_ids(prompt, info, "prompt"), None
+    if prompt is None:
+        raise bad_request("prompt: field required", "prompt")
+    raise bad_request(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+
+
+def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str]:
+    msgs = req.messages
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
+    conv = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"{where}: must be an object with a string 'role'", where)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise bad_request(f"{where}.content[{j}]: only text parts ({{type: text, text}}) are "
+                                      "supported", f"{where}.content")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise bad_request(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
+        conv.append({**m, "content": content or ""})
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        text = info.tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=bool(req.continue_final_message), **kwargs)
+    except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+    return info.tokenizer(text, add_special_tokens=False).input_ids, text
+
+
+def _unsupported(req: _Common) -> None:
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of: only 1 is supported", "best_of")
+    if req.logit_bias:
+        raise bad_request("logit_bias: not supported", "logit_bias")
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise bad_request("suffix: not supported", "suffix")
+    if isinstance(req, ChatRequest):
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise bad_request("tools: tool and function calling are not supported", "tools")
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(f"response_format: only type 'text' is supported, got {fmt!r}", "response_format")
+
+
+def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional[int],
+                     info: ModelInfo) -> SamplingParams:
+    explicit = {k: getattr(req, k) for k in _SAMPLING_FIELDS if k in req.model_fields_set and getattr(req, k) is not None}
+    explicit["max_tokens"] = max_tokens
+    explicit["logprobs"] = logprobs
+    try:
+        return SamplingParams.from_generation_config(info.generation_config, **explicit)
+    except ValueError as e:
+        msg = str(e)
+        word = msg.split(" ", 1)[0]
+        raise bad_request(msg, word if word in _SAMPLING_NAMES else None) from None
+
+
+def _check_context(n_prompt: int, params: SamplingParams, info: ModelInfo, max_tokens_name: str) -> None:
+    if n_prompt == 0:
+        raise bad_request("prompt is empty", "prompt")
+    if n_prompt >= info.max_model_len:
+        raise bad_request(f"the prompt has {n_prompt} tokens but the context length (max_model_len) is "
+                          f"{info.max_model_len}", "prompt")
+    if params.max_tokens is not None and n_prompt + params.max_tokens > info.max_model_len:
+        raise bad_request(f"the prompt ({n_prompt} tokens) plus {max_tokens_name} ({params.max_tokens}) is "
+                          f"{n_prompt + params.max_tokens} tokens, over the context length (max_model_len "
+                          f"{info.max_model_len})", max_tokens_name)
+
+
+def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationRequest:
+    req = _validate(CompletionRequest if kind == "completion" else ChatRequest, data)
+    model = _check_model(req, info)
+    _unsupported(req)
+    if req.kv_transfer_params is not None and not info.has_kv_connector:
+        raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
+                          "config to take part in P/D)", "kv_transfer_params")
+    if kind == "completion":
+        ids, text = _completion_prompt(req.prompt, info)
+        max_tokens, mt_name = req.max_tokens, "max_tokens"
+        logprobs = req.logprobs
+        if req.echo and logprobs is not None:
+            raise bad_request("echo: echo together with logprobs (prompt logprobs) is not supported", "echo")
+    else:
+        ids, text = _chat_prompt(req, info)
+        use_mct = req.max_completion_tokens is not None
+        max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
+        mt_name = "max_completion_tokens" if use_mct else "max_tokens"
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
+    params = _sampling_params(req, max_tokens, logprobs, info)
+    _check_context(len(ids), params, info, mt_name)
+    opts = req.stream_options or StreamOptions()
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    unknown = sorted(req.model_extra or {})
+    return GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
+                             opts.continuous_usage_stats, bool(getattr(req, "echo", False)),
+                             bool(req.return_token_ids), unknown)

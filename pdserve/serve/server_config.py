@@ -1,0 +1,40 @@
+"""Server options of `pdserve serve`: a frozen dataclass whose fields are the CLI flags (as the engine's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+EngineBackend = Literal["thread", "process"]
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _f("127.0.0.1", "Address to listen on.")
+    port: int = _f(8000, "TCP port to listen on.")
+    served_model_name: tuple = _f((), "Model name(s) the API answers to; the first is reported in responses "
+                                      "(default: the model directory's name).", cli=False)
+    api_key: Optional[str] = _f(None, "Require `Authorization: Bearer <key>` on /v1 routes (default: "
+                                      "$PDSERVE_API_KEY, else no key).")
+    log_level: LogLevel = _f("info", "Log level of pdserve and uvicorn.")
+    max_waiting: int = _f(1024, "Most queued requests (accepted, no token produced yet); more are refused with 503.")
+    max_body_bytes: int = _f(16 * 2**20, "Largest request body in bytes; larger ones are refused with 413.")
+    shutdown_timeout: float = _f(30.0, "On SIGTERM/SIGINT, seconds to let in-flight requests finish before they "
+                                       "are aborted.")
+    enable_debug_routes: bool = _f(False, "Serve /debug/kv (KV block counts and the engine's invariant check).")
+    engine_backend: EngineBackend = _f("thread", "Run the engine loop in a background thread of the server "
+                                                 "process, or in a separate process.")
+
+    def validate(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

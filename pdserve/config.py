@@ -83,13 +83,63 @@ KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 # Connectors that move prompt KV between a prefill and a decode node. DecodeBenchConnector is the D-side arrival
 # driver: it fills the KV of arriving requests with a local prefill pass, standing in for a producer.
 PD_CONNECTORS = ("TcpConnector", "DecodeBenchConnector")
+KNOWN_CONNECTORS = PD_CONNECTORS + ("MultiConnector",)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
+    """`--kv-transfer-config '{json}'`, field names as vLLM's KVTransferConfig where they exist."""
     kv_connector: str
     kv_role: KVRole
-    connectors: tuple = ()  # children, for MultiConnector
+    engine_id: str = ""
+    kv_host: str = "127.0.0.1"  # producer: bind address of the KV server
+    kv_port: int = 14579
+    kv_advertise_host: Optional[str] = None  # what P tells D to dial (default: kv_host)
+    kv_peers: tuple = ()  # consumer: "host:port" KV endpoints it may dial (default: loopback only)
+    kv_auth_token: Optional[str] = None  # default: $PDSERVE_KV_TOKEN; required off loopback
+    kv_lease_seconds: float = 30.0
+    kv_transfer_timeout: float = 10.0
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    connectors: tuple = ()  # children of a MultiConnector
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTransferConfig":
+        if not isinstance(d, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}")
+        for required in ("kv_connector", "kv_role"):
+            if required not in d:
+                raise ValueError(f"kv_transfer_config: missing field {required!r}")
+        d = dict(d)
+        d["connectors"] = tuple(cls.from_dict(c) if isinstance(c, dict) else c for c in d.get("connectors", ()))
+        d["kv_peers"] = tuple(d.get("kv_peers", ()))
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.kv_connector not in KNOWN_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector {self.kv_connector!r} is unknown; "
+                             f"known: {', '.join(KNOWN_CONNECTORS)}")
+        if self.kv_role not in typing.get_args(KVRole):
+            raise ValueError(f"kv_transfer_config.kv_role {self.kv_role!r} is invalid; "
+                             f"choose from {', '.join(typing.get_args(KVRole))}")
+        if self.kv_connector == "MultiConnector" and not self.connectors:
+            raise ValueError("kv_transfer_config.connectors: a MultiConnector needs at least one child")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_transfer_config.kv_load_failure_policy must be 'recompute' or 'fail'")
+        if self.kv_host not in LOOPBACK and not self.auth_token():
+            raise ValueError(f"kv_transfer_config.kv_host {self.kv_host!r} is not loopback: refusing to serve KV "
+                             "without kv_auth_token (or PDSERVE_KV_TOKEN)")
+
+    def auth_token(self) -> str:
+        import os
+        return self.kv_auth_token or os.environ.get("PDSERVE_KV_TOKEN", "")
 
     @property
     def is_pd_consumer(self) -> bool:
@@ -114,8 +164,14 @@ class EngineConfig:
         """Build from flat vLLM-style engine args (dtype=..., block_size=...); unknown names are an error."""
         parts = {}
         kv = kwargs.pop("kv_transfer_config", None)
+        if isinstance(kv, str):
+            import json
+            try:
+                kv = json.loads(kv)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
         if isinstance(kv, dict):
-            kv = KVTransferConfig(**kv)
+            kv = KVTransferConfig.from_dict(kv)
         for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                           ("compilation", CompilationConfig)):
             names = {f.name for f in dataclasses.fields(sub)}

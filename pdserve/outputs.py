@@ -40,3 +40,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None
+    kv_transfer_params: Optional[dict] = None  # P: where a decode node can read this request's prompt KV

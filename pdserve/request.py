@@ -34,7 +34,7 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: Optional[float] = None,
-                 max_tokens: Optional[int] = None):
+                 max_tokens: Optional[int] = None, kv_transfer_params: Optional[dict] = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -53,6 +53,10 @@ class Request:
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler on first use
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
+        self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)
+        self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV
+        self.kv_load_tried = False  # D: the connector was asked once; a failed load recomputes locally
+        self.kv_load_error: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,7 @@ from pdserve.model.loader import model_dims, read_hf_config, resolve_dtype
 from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import make_connector
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("pdserve.engine")
@@ -43,10 +44,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
         self.num_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
         self.runner.capture_graphs()
         self.tokenizer = load_tokenizer(mc.model)
+        self.connector = make_connector(config.kv_transfer, self)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.runner.kv_caches)
+        policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.connector, policy)
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
@@ -83,15 +88,18 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None) -> Request:
+                    arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None) -> Request:
         params = params or self.default_sampling_params()
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
+        if kv_transfer_params is not None and self.connector is None:
+            raise ValueError("kv_transfer_params given, but this server has no KV connector")
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens)
+        req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
+                      kv_transfer_params=kv_transfer_params)
         self.scheduler.add_request(req)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
@@ -121,6 +129,26 @@ class LLMEngine:
         self.kv.cache_blocks(req)
         return req
 
+    def compat_fields(self) -> dict:
+        """What a KV peer must share with this engine for its blocks to mean the same here."""
+        import hashlib
+        d = model_dims(self.hf_config, self.max_model_len)
+        model_dir = Path(self.config.model.model)
+        weights = hashlib.sha256((model_dir / "config.json").read_bytes())
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                weights.update(fh.read(1 << 20))  # header (names, shapes, offsets) and the first tensors
+        tok = model_dir / "tokenizer.json"
+        return {"architecture": self.hf_config["architectures"][0], "num_layers": d.num_layers,
+                "num_kv_heads": d.num_kv_heads, "head_dim": d.head_dim,
+                "dtype": str(self.dtype).removeprefix("torch."), "block_size": self.config.cache.block_size,
+                "weights": weights.hexdigest()[:16],
+                "tokenizer": hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.is_file() else ""}
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
     def graph_stats(self) -> dict:
         """Graph-mode step counts since start: FULL / non-FULL, by (mode, reason), padded tokens."""
         return self.runner.graph_stats.snapshot()
@@ -143,12 +171,24 @@ class LLMEngine:
         return self._make_output(req, []) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or transfers (loads, leases) that still need the engine to poll."""
+        return self.scheduler.has_unfinished() or (self.connector is not None and self.connector.has_pending())
+
+    def _poll_transfers(self) -> list[RequestOutput]:
+        if self.connector is None:
+            return []
+        failed = self.scheduler.process_transfers(self.connector.get_finished())
+        return [self._make_output(r, []) for r in failed if r is not None]
 
     def step(self) -> list[RequestOutput]:
+        transfer_outputs = self._poll_transfers()
         out = self.scheduler.schedule()
+        if self.connector is not None:
+            self.connector.start_load_kv(self.connector.build_connector_meta())
         if not out.rows:
-            return []
+            if self.has_unfinished_requests() and not transfer_outputs:
+                time.sleep(0.001)  # only transfers in flight: poll, do not spin
+            return transfer_outputs
         now = time.monotonic()
         for row in out.rows:
             m = self._metrics[row.request.request_id]
@@ -176,7 +216,7 @@ class LLMEngine:
                 req.stop_reason = stop
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._make_output(req, [req.output_token_ids[-1]]))
-        return outputs
+        return transfer_outputs + outputs
 
     def _make_output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         rid = req.request_id
@@ -200,10 +240,13 @@ class LLMEngine:
         comp = CompletionOutput(0, text, list(req.output_token_ids), None, logprobs, req.status.finish_reason,
                                 req.stop_reason, delta, new_ids)
         return RequestOutput(rid, prompt, req.prompt_token_ids, [comp], finished,
-                             max(req.num_cached_tokens, 0), metrics, req.error)
+                             max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+    def num_leased_blocks(self) -> int:
+        return sum(len(self.kv.blocks_of(r)) for r in self.scheduler.leased)
 
 
 def load_tokenizer(model_dir: str):

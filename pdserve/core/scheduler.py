@@ -46,7 +46,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None,
+                 load_failure_policy: str = "recompute"):
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # Without chunking a whole (re)computed sequence must fit one step, or it could never be admitted.
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
@@ -58,6 +59,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.connector = connector
+        self.load_failure_policy = load_failure_policy
+        self.leased: dict[str, Request] = {}  # P: finished, blocks kept until D read them or the lease ended
+        self.deferred_free: dict[str, Request] = {}  # D: finished while its KV load still writes its blocks
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -102,6 +107,9 @@ class Scheduler:
                 hits, num_hit = [], req.num_computed_tokens
             else:
                 hits, num_hit = self.kv.get_computed_blocks(req)
+                if self._start_remote_load(req, hits, num_hit):
+                    skipped.append(req)
+                    continue
             num_new = req.num_tokens - num_hit
             if (num_new > budget and not self.config.enable_chunked_prefill) or \
                     not self.kv.allocate_slots(req, min(num_new, budget), hits):
@@ -118,6 +126,49 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _start_remote_load(self, req: Request, hits: list[int], num_hit: int) -> bool:
+        """P/D consumer: allocate blocks for the prompt KV a connector can load and park the request in
+        WAITING_FOR_REMOTE_KV (no token budget, no seat) until the load ends. False: prefill locally."""
+        if self.connector is None or req.kv_transfer_params is None or req.kv_load_tried:
+            return False
+        req.kv_load_tried = True
+        num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
+        if num_external <= 0 or not self.kv.allocate_slots(req, num_external, hits):
+            return False
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.connector.update_state_after_alloc(req, self.kv.blocks_of(req.request_id), num_hit)
+        return True
+
+    def process_transfers(self, fin) -> list[Request]:
+        """Apply finished transfers: release P's leases; on D, a loaded request becomes its one-token replay, a
+        failed one is recomputed locally or fails. Returns the requests that failed."""
+        for rid in fin.done_sending:
+            req = self.leased.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+        failed = []
+        for rid in fin.done_recving | set(fin.failed):
+            if rid in self.deferred_free:
+                self.kv.free(self.deferred_free.pop(rid))
+                continue
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            req.status = RequestStatus.WAITING
+            if rid in fin.done_recving:
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                self.kv.cache_blocks(req)  # authenticated and complete: safe to share
+            elif self.load_failure_policy == "recompute":
+                # The partly written blocks are dropped, never published; the prompt is prefilled here.
+                req.kv_load_error = fin.failed[rid]
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+            else:
+                failed.append(self.finish_request(rid, RequestStatus.FINISHED_ERROR, fin.failed[rid]))
+        return failed
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -168,14 +219,24 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KV
         req.status = status
         req.error = error
+        keep = False
+        if self.connector is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            keep, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.blocks_of(request_id))
+        if keep:
+            self.leased[request_id] = req
+        elif loading:  # a loader thread may still write these blocks: free them when it reports
+            self.deferred_free[request_id] = req
+        else:
+            self.kv.free(req)
         return req
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        owners = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        owners = {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | set(self.leased) \
+            | set(self.deferred_free)
         assert set(self.kv.req_blocks) <= owners, f"blocks held by unknown requests: {set(self.kv.req_blocks) - owners}"
         for r in self.waiting:  # only requests with imported KV wait while holding blocks
             assert r.request_id not in self.kv.req_blocks or r.num_computed_tokens > 0 \

@@ -1,0 +1,96 @@
+"""KV connector API in two halves, as vLLM's KV connector v1, and the connector registry.
+
+Scheduler side (engine thread): which tokens can come from elsewhere, what to load after blocks are allocated,
+what a finished request hands on. Worker side: owns the KV tensors' remote I/O, runs loads in the background and
+reports, when polled, which finished and which failed. Loads write only blocks the request owns alone.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pdserve.request import Request
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    params: dict  # the request's kv_transfer_params (where and what to read)
+    src_start: int  # first block index of the producer's transfer to read
+    dst_blocks: list[int]  # this node's blocks to write, one per read block
+
+
+@dataclass
+class ConnectorMeta:
+    loads: list[LoadJob] = field(default_factory=list)
+
+
+@dataclass
+class FinishedTransfers:
+    done_sending: set[str] = field(default_factory=set)  # producer: leases to release (confirmed or expired)
+    done_recving: set[str] = field(default_factory=set)  # consumer: loads that completed and verified
+    failed: dict[str, str] = field(default_factory=dict)  # consumer: request id -> why the load failed
+
+
+class KVConnector(ABC):
+    def __init__(self, config, engine):
+        self.config = config  # KVTransferConfig
+        self.engine = engine
+
+    # ---- scheduler side -------------------------------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        """Tokens beyond the local prefix-cache hit that this connector can load for `req` (0: none)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        """Blocks are allocated for the local hit plus the loadable tokens: queue the load."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> ConnectorMeta:
+        """The loads queued since the last step (and forget them)."""
+
+    @abstractmethod
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        """(keep the blocks for a remote reader, kv_transfer_params for the response)."""
+
+    # ---- worker side ----------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list) -> None:
+        self.kv_caches = kv_caches
+
+    @abstractmethod
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        """Start the loads in the background."""
+
+    @abstractmethod
+    def get_finished(self) -> FinishedTransfers:
+        """Transfers that ended since the last poll."""
+
+    def has_pending(self) -> bool:
+        """Loads in flight or leases open: the engine keeps polling while this is true."""
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+
+CONNECTORS: dict[str, Callable[..., KVConnector]] = {}
+
+
+def register_connector(name: str):
+    def deco(cls):
+        CONNECTORS[name] = cls
+        return cls
+    return deco
+
+
+def make_connector(config, engine) -> Optional[KVConnector]:
+    if config is None:
+        return None
+    if config.kv_connector not in CONNECTORS:
+        import pdserve.transfer.tcp  # noqa: F401  (registers TcpConnector)
+        import pdserve.transfer.multi  # noqa: F401
+    if config.kv_connector == "DecodeBenchConnector":
+        return None  # the arrival driver works through LLMEngine.add_prefilled_request, nothing to connect
+    return CONNECTORS[config.kv_connector](config, engine)

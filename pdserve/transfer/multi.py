@@ -1,0 +1,68 @@
+"""MultiConnector: loads from the first child that can supply the tokens, hands finished requests to all."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pdserve.request import Request
+from pdserve.transfer.base import CONNECTORS, ConnectorMeta, FinishedTransfers, KVConnector, register_connector
+
+
+@register_connector("MultiConnector")
+class MultiConnector(KVConnector):
+    def __init__(self, config, engine):
+        super().__init__(config, engine)
+        self.children = [CONNECTORS[c.kv_connector](c, engine) for c in config.connectors]
+        self._source: dict[str, KVConnector] = {}
+        self._load_owner: dict[str, KVConnector] = {}
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        super().register_kv_caches(kv_caches)
+        for c in self.children:
+            c.register_kv_caches(kv_caches)
+
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        for c in self.children:
+            n = c.get_num_new_matched_tokens(req, num_local_computed)
+            if n > 0:
+                self._source[req.request_id] = c
+                return n
+        return 0
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        self._source.pop(req.request_id).update_state_after_alloc(req, block_ids, num_local_computed)
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        loads, self._load_owner = [], {}
+        for c in self.children:
+            for job in c.build_connector_meta().loads:
+                self._load_owner[job.request_id] = c
+                loads.append(job)
+        return ConnectorMeta(loads)
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        for c in self.children:
+            c.start_load_kv(ConnectorMeta([j for j in meta.loads if self._load_owner.get(j.request_id) is c]))
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        keep, params = False, None
+        for c in self.children:
+            k, p = c.request_finished(req, block_ids)
+            keep |= k
+            params = params or p
+        return keep, params
+
+    def get_finished(self) -> FinishedTransfers:
+        out = FinishedTransfers()
+        for c in self.children:
+            f = c.get_finished()
+            out.done_sending |= f.done_sending
+            out.done_recving |= f.done_recving
+            out.failed.update(f.failed)
+        return out
+
+    def has_pending(self) -> bool:
+        return any(c.has_pending() for c in self.children)
+
+    def shutdown(self) -> None:
+        for c in self.children:
+            c.shutdown()

@@ -1,0 +1,291 @@
+"""The default `tcp` KV transport: D pulls, P is passive (NIXL-shaped, so another transport can sit behind it).
+
+Producer (P) lifecycle of a request:
+1. a request with `kv_transfer_params.do_remote_decode` prefills and samples its one token as usual;
+2. `request_finished` keeps its blocks under a lease (transfer id, expiry `kv_lease_seconds`) and returns the
+   `kv_transfer_params` that tell D where and what to read (engine, endpoint, transfer id, prompt length and hash);
+3. the KV server answers authenticated reads of (transfer id, block index, count) from that lease only, pinning it
+   while it reads and extending it (a read is D's renewal); an unknown, released or expired lease answers `expired`;
+4. D's `done`, or the lease running out with no read in flight, releases it: `get_finished` hands the request id
+   to the scheduler, which frees the blocks.
+
+Consumer (D) lifecycle of a request:
+1. `get_num_new_matched_tokens` checks the params (peer in `kv_peers`, prompt length, prompt hash against D's own
+   token ids) and offers the n - 1 prompt tokens beyond D's own prefix-cache hit;
+2. the scheduler allocates blocks, parks the request in WAITING_FOR_REMOTE_KV (no token budget spent) and
+   `update_state_after_alloc` queues the load;
+3. `start_load_kv` pulls on a worker thread: handshake, reads of up to 64 blocks per frame written into D's own
+   blocks, then `done`; every socket wait has `kv_transfer_timeout`;
+4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
+   scheduler's failure policy: recompute locally, or fail the request).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pdserve.config import LOOPBACK
+from pdserve.core.kv_cache_manager import cdiv
+from pdserve.request import Request, RequestStatus
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, register_connector
+from pdserve.transfer.protocol import ProtocolError, client_handshake, server_handshake
+
+logger = logging.getLogger("pdserve.transfer")
+BLOCKS_PER_READ = 64
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    expiry: float
+    pins: int = 0
+    done: bool = False
+
+
+@dataclass
+class TransferStats:
+    """Counters for the Prometheus series of both sides."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_receiving: float = 0.0
+    failures: Counter = None
+
+    def __post_init__(self):
+        self.failures = Counter()
+
+
+@register_connector("TcpConnector")
+class TcpConnector(KVConnector):
+    def __init__(self, config, engine):
+        super().__init__(config, engine)
+        self.block_size = engine.config.cache.block_size
+        self.token = config.auth_token().encode()
+        self.compat = engine.compat_fields()
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+        self.leases: dict[str, Lease] = {}
+        self._queued: list[LoadJob] = []
+        self._inflight: set[str] = set()
+        self._done: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
+        self._server: Optional[socket.socket] = None
+        self._closing = threading.Event()
+        if config.kv_role in ("kv_producer", "kv_both"):
+            self._start_server()
+
+    # ---- producer ------------------------------------------------------------------------------------------
+    def _start_server(self) -> None:
+        srv = socket.socket(socket.AF_INET6 if ":" in self.config.kv_host else socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((self.config.kv_host, self.config.kv_port))
+        srv.listen(64)
+        self._server = srv
+        self.port = srv.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name="kv-server", daemon=True).start()
+        logger.info("KV server listening on %s:%d", self.config.kv_host, self.port)
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kv-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(max(5.0, self.config.kv_lease_seconds))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            session = server_handshake(conn, self.token, self.compat)
+            while True:
+                header, _ = session.recv()
+                op, tid = header.get("op"), str(header.get("transfer_id", ""))
+                if op == "read":
+                    lease = self._pin(tid)
+                    if lease is None:
+                        session.send({"status": "expired"})
+                        continue
+                    try:
+                        start, count = int(header["start"]), int(header["count"])
+                        ids = lease.block_ids[start:start + count]
+                        payload = self._gather(ids)
+                    finally:
+                        self._unpin(tid)
+                    session.send({"status": "ok", "count": len(ids)}, payload)
+                    self.stats.bytes_sent += len(payload)
+                elif op == "done":
+                    with self._lock:
+                        if tid in self.leases:
+                            self.leases[tid].done = True
+                    session.send({"status": "ok"})
+                else:
+                    session.send({"status": "error", "error": f"unknown op {op!r}"})
+        except (ConnectionError, socket.timeout, OSError):
+            pass
+        except (ProtocolError, ValueError, KeyError) as e:
+            self.stats.failures[type(e).__name__] += 1
+            logger.warning("KV connection refused or broken: %s", e)
+        finally:
+            conn.close()
+
+    def _pin(self, tid: str) -> Optional[Lease]:
+        with self._lock:
+            lease = self.leases.get(tid)
+            if lease is None or lease.done or time.monotonic() > lease.expiry:
+                return None
+            lease.pins += 1
+            lease.expiry = time.monotonic() + self.config.kv_lease_seconds
+            return lease
+
+    def _unpin(self, tid: str) -> None:
+        with self._lock:
+            self.leases[tid].pins -= 1
+
+    def _gather(self, block_ids: list[int]) -> bytes:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
+        data = torch.stack([c.index_select(1, idx) for c in self.kv_caches])  # [layers, 2, n, B, H, D]
+        return data.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        params = req.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or req.status not in (RequestStatus.FINISHED_STOPPED,
+                                                                    RequestStatus.FINISHED_LENGTH):
+            return False, None
+        n = req.num_prompt_tokens
+        if n < 2:  # nothing to hand over: D prefills a one-token prompt itself
+            return False, None
+        tid = uuid.uuid4().hex
+        with self._lock:
+            self.leases[tid] = Lease(req.request_id, list(block_ids), time.monotonic() + self.config.kv_lease_seconds)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+                      "remote_engine_id": self.config.engine_id, "remote_request_id": req.request_id,
+                      "remote_host": self.config.kv_advertise_host or self.config.kv_host, "remote_port": self.port,
+                      "remote_block_ids": list(block_ids[:cdiv(n - 1, self.block_size)]),
+                      "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids)}
+
+    def leased_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self.leases.values())
+
+    # ---- consumer ------------------------------------------------------------------------------------------
+    def peer_allowed(self, host: str, port: int) -> bool:
+        peers = self.config.kv_peers
+        return f"{host}:{port}" in peers if peers else host in LOOPBACK
+
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        p = req.kv_transfer_params or {}
+        if not p.get("do_remote_prefill"):
+            return 0
+        n = req.num_prompt_tokens
+        why = None
+        if not self.peer_allowed(str(p.get("remote_host")), int(p.get("remote_port", -1))):
+            why = f"KV peer {p.get('remote_host')}:{p.get('remote_port')} is not in kv_peers"
+        elif p.get("num_prompt_tokens") != n or p.get("prompt_hash") != prompt_hash(req.prompt_token_ids):
+            why = "prompt hash mismatch (different tokenization on P and D)"
+        if why:
+            req.kv_load_error = why
+            self.stats.failures["rejected"] += 1
+            logger.warning("request %s: not loading remote KV: %s", req.request_id, why)
+            return 0
+        return max(0, n - 1 - num_local_computed)
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        first = num_local_computed // self.block_size
+        last = cdiv(req.num_prompt_tokens - 1, self.block_size)
+        self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), first, block_ids[first:last]))
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        meta, self._queued = ConnectorMeta(self._queued), []
+        return meta
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        for job in meta.loads:
+            with self._lock:
+                self._inflight.add(job.request_id)
+            self._pool.submit(self._pull, job)
+
+    def _pull(self, job: LoadJob) -> None:
+        p, t0 = job.params, time.monotonic()
+        try:
+            with socket.create_connection((p["remote_host"], int(p["remote_port"])),
+                                          timeout=self.config.kv_transfer_timeout) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                session = client_handshake(sock, self.token, self.compat)
+                for i in range(0, len(job.dst_blocks), BLOCKS_PER_READ):
+                    dst = job.dst_blocks[i:i + BLOCKS_PER_READ]
+                    session.send({"op": "read", "transfer_id": p["transfer_id"], "start": job.src_start + i,
+                                  "count": len(dst)})
+                    header, payload = session.recv()
+                    if header.get("status") != "ok" or header.get("count") != len(dst):
+                        raise ProtocolError(f"producer answered {header.get('status')!r} for transfer "
+                                            f"{p['transfer_id']}")
+                    self._scatter(dst, payload)
+                    self.stats.bytes_received += len(payload)
+                session.send({"op": "done", "transfer_id": p["transfer_id"]})
+                session.recv()
+            with self._lock:
+                self._done.add(job.request_id)
+        except Exception as e:  # every failure ends in the scheduler's failure policy
+            cause = "timeout" if isinstance(e, socket.timeout) else type(e).__name__
+            self.stats.failures[cause] += 1
+            logger.warning("request %s: KV load failed (%s): %s", job.request_id, cause, e)
+            with self._lock:
+                self._failed[job.request_id] = f"KV load failed ({cause}): {e}"
+        finally:
+            self.stats.seconds_receiving += time.monotonic() - t0
+            with self._lock:
+                self._inflight.discard(job.request_id)
+
+    def _scatter(self, dst: list[int], payload: bytes) -> None:
+        c0 = self.kv_caches[0]
+        shape = (len(self.kv_caches), 2, len(dst), *c0.shape[2:])
+        expected = int(np.prod(shape)) * c0.element_size()
+        if len(payload) != expected:
+            raise ProtocolError(f"KV payload of {len(payload)} bytes, expected {expected}")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(c0.dtype).view(shape).to(c0.device)
+        idx = torch.tensor(dst, dtype=torch.long, device=c0.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, idx, data[layer])
+
+    # ---- both ----------------------------------------------------------------------------------------------
+    def get_finished(self) -> FinishedTransfers:
+        now = time.monotonic()
+        out = FinishedTransfers()
+        with self._lock:
+            for tid, lease in list(self.leases.items()):
+                if lease.pins == 0 and (lease.done or now > lease.expiry):
+                    if not lease.done:
+                        self.stats.failures["lease_expired"] += 1
+                    del self.leases[tid]
+                    out.done_sending.add(lease.request_id)
+            out.done_recving, self._done = self._done, set()
+            out.failed, self._failed = self._failed, {}
+        return out
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self.leases or self._inflight or self._done or self._failed or self._queued)
+
+    def shutdown(self) -> None:
+        self._closing.set()
+        if self._server is not None:
+            self._server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,220 @@
+"""P/D at the engine level (no HTTP): a producer and a consumer engine in one process over the tcp connector.
+
+Each scenario checks the outcome and that both block pools are whole afterwards."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+ENGINE = dict(max_model_len=512, kv_cache_memory_gb=0.05)
+PROMPTS = ["def fibonacci(n):\n" * k for k in (1, 3, 9, 20)] + ["x", "import os\nimport sys\n"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def producer(model, port, **kv):
+    return LLM(model, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": port,
+                                          "engine_id": "P0", "kv_auth_token": "secret", **kv}, **ENGINE)
+
+
+def consumer(model, **kv):
+    return LLM(model, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
+                                          "kv_auth_token": "secret", "kv_transfer_timeout": 1.0, **kv}, **ENGINE)
+
+
+def drain(llm, deadline=20.0) -> dict:
+    done, t0 = {}, time.monotonic()
+    while llm.engine.has_unfinished_requests():
+        assert time.monotonic() - t0 < deadline, "engine did not finish"
+        for o in llm.engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+def prefill_on(p, prompts) -> list[dict]:
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        p.engine.add_request(prompt, sp, request_id=f"p{i}", kv_transfer_params={"do_remote_decode": True})
+    fin = {}
+    while p.engine.scheduler.has_unfinished():
+        fin.update({o.request_id: o for o in p.engine.step() if o.finished})
+    return [fin[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
+
+
+def decode_on(d, prompts, params, max_tokens=16) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, (prompt, kp) in enumerate(zip(prompts, params)):
+        d.engine.add_request(prompt, sp, request_id=f"d{i}", kv_transfer_params=kp)
+    return {int(k[1:]): v for k, v in drain(d).items()}
+
+
+def expire_leases(p):
+    for lease in p.engine.connector.leases.values():
+        lease.expiry = 0.0
+
+
+def assert_whole(*llms):
+    for llm in llms:
+        e = llm.engine
+        e.check_invariants()
+        assert e.kv.num_free_blocks() == e.num_blocks - 1, "blocks leaked"
+        assert not e.scheduler.leased and not e.scheduler.deferred_free
+
+
+@pytest.fixture(scope="module")
+def collocated(qwen3_tiny):
+    llm = LLM(qwen3_tiny, **ENGINE)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture()
+def pd(qwen3_tiny):
+    p, d = producer(qwen3_tiny, free_port()), consumer(qwen3_tiny)
+    yield p, d
+    p.engine.shutdown()
+    d.engine.shutdown()
+
+
+def test_pd_equals_collocated_and_rides_full(pd, collocated):
+    p, d = pd
+    params = prefill_on(p, PROMPTS)
+    assert p.engine.num_leased_blocks() > 0
+    assert params[4] is None  # "x": one token, nothing to hand over; D prefills it itself
+    assert all(kp["do_remote_prefill"] and kp["remote_port"] == p.engine.connector.port
+               for kp in params[:4] + params[5:])
+    out = decode_on(d, PROMPTS, params)
+    assert [out[i].outputs[0].token_ids for i in range(len(PROMPTS))] == collocated
+    assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+    stats = d.engine.graph_stats()
+    # Replays ride FULL under decode-shaped; the one prefill step is the one-token prompt "x", which has no
+    # KV to import and is prefilled on D (its fresh row blocks FULL under every rule).
+    assert stats["non_full_by_reason"] == {"prefill": 1}, stats
+    drain(p)  # P releases the leases D confirmed
+    assert_whole(p, d)
+
+
+def test_producer_gone_before_pull_recomputes(pd, collocated):
+    p, d = pd
+    params = prefill_on(p, PROMPTS[:3])
+    p.engine.connector.shutdown()  # the KV server stops listening
+    out = decode_on(d, PROMPTS[:3], params)
+    assert [out[i].outputs[0].token_ids for i in range(3)] == collocated[:3]
+    assert d.engine.connector.stats.failures
+    expire_leases(p)
+    drain(p)
+    assert_whole(p, d)
+
+
+def test_transfer_timeout_recomputes(qwen3_tiny, collocated):
+    """A peer that accepts and never answers: the load times out (1 s) and D prefills locally."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    held = []
+    threading.Thread(target=lambda: held.append(srv.accept()), daemon=True).start()
+    d = consumer(qwen3_tiny)
+    from pdserve.transfer.tcp import prompt_hash
+    ids = d.get_tokenizer()(PROMPTS[2]).input_ids
+    fake = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+            "remote_port": srv.getsockname()[1], "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids)}
+    t0 = time.monotonic()
+    out = decode_on(d, [PROMPTS[2]], [fake])
+    assert time.monotonic() - t0 < 5
+    assert out[0].outputs[0].token_ids == collocated[2]
+    assert d.engine.connector.stats.failures["timeout"] == 1
+    assert_whole(d)
+    srv.close()
+    d.engine.shutdown()
+
+
+def test_wrong_token_refused_at_handshake(qwen3_tiny, collocated, caplog):
+    port = free_port()
+    p = producer(qwen3_tiny, port)
+    d = consumer(qwen3_tiny, kv_auth_token="not-the-secret")
+    params = prefill_on(p, PROMPTS[:2])
+    with caplog.at_level("WARNING", logger="pdserve.transfer"):
+        out = decode_on(d, PROMPTS[:2], params)
+    assert [out[i].outputs[0].token_ids for i in range(2)] == collocated[:2]
+    assert "authentication" in caplog.text
+    expire_leases(p)  # D never read them
+    drain(p)
+    assert_whole(p, d)
+    p.engine.shutdown()
+    d.engine.shutdown()
+
+
+def test_incompatible_model_refused_naming_field(qwen3_tiny, collocated, caplog):
+    port = free_port()
+    p = producer(qwen3_tiny, port)
+    d = LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
+                                            "kv_auth_token": "secret", "kv_transfer_timeout": 1.0},
+            block_size=32, **ENGINE)
+    params = prefill_on(p, PROMPTS[:1])
+    with caplog.at_level("WARNING", logger="pdserve.transfer"):
+        out = decode_on(d, PROMPTS[:1], params)
+    assert out[0].outputs[0].token_ids == collocated[0]
+    assert "block_size differs" in caplog.text
+    p.engine.shutdown()
+    d.engine.shutdown()
+
+
+def test_forged_prompt_hash_never_splices(pd, collocated):
+    p, d = pd
+    params = prefill_on(p, PROMPTS[2:3])
+    params[0] = {**params[0], "prompt_hash": "0" * 64}
+    out = decode_on(d, PROMPTS[2:3], params)
+    assert out[0].outputs[0].token_ids == collocated[2]
+    assert d.engine.connector.stats.bytes_received == 0  # rejected before any read
+
+
+def test_lease_expires_when_decode_never_comes(qwen3_tiny):
+    p = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.3)
+    prefill_on(p, PROMPTS[:3])
+    assert p.engine.num_leased_blocks() > 0
+    t0 = time.monotonic()
+    drain(p, deadline=5)
+    assert time.monotonic() - t0 >= 0.2
+    assert p.engine.connector.stats.failures["lease_expired"] == 3
+    assert_whole(p)
+    p.engine.shutdown()
+
+
+def test_abort_while_waiting_for_kv(pd):
+    p, d = pd
+    params = prefill_on(p, PROMPTS[3:4])
+    d.engine.add_request(PROMPTS[3], SamplingParams(max_tokens=8), request_id="gone", kv_transfer_params=params[0])
+    d.engine.step()  # allocates blocks, starts the load
+    out = d.engine.abort_request("gone")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    drain(d)
+    drain(p)
+    assert_whole(p, d)
+
+
+def test_kv_params_without_connector_rejected(qwen3_tiny):
+    llm = LLM(qwen3_tiny, **ENGINE)
+    with pytest.raises(ValueError, match="no KV connector"):
+        llm.engine.add_request("x", SamplingParams(max_tokens=2), kv_transfer_params={"do_remote_prefill": True})
+
+
+def test_config_errors_name_the_field(qwen3_tiny):
+    with pytest.raises(ValueError, match="kv_connector 'Nope' is unknown"):
+        LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "Nope", "kv_role": "kv_consumer"}, **ENGINE)
+    with pytest.raises(ValueError, match="kv_role"):
+        LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "boss"}, **ENGINE)
+    with pytest.raises(ValueError, match="missing field 'kv_role'"):
+        LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector"}, **ENGINE)
+    with pytest.raises(ValueError, match="without kv_auth_token"):
+        LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer",
+                                            "kv_host": "0.0.0.0"}, **ENGINE)

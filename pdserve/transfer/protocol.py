@@ -27,7 +27,7 @@ class ProtocolError(Exception):
     """A peer broke the protocol: bad frame, failed authentication, incompatible model."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> memoryview:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -35,14 +35,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
-    return bytes(buf)
+    return view
 
 
 def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(struct.pack("!Q", len(body)) + body)
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> memoryview:
     (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
     if n > limit:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {limit}")
@@ -73,22 +73,30 @@ class Session:
         self.send_dir, self.recv_dir = (b"D>P", b"P>D") if is_consumer else (b"P>D", b"D>P")
         self.send_seq = self.recv_seq = 0
 
-    def send(self, header: dict, payload: bytes = b"") -> None:
+    def send(self, header: dict, payload=b"") -> None:
+        """`payload`: any contiguous buffer (bytes, memoryview, numpy array); it is hashed and sent uncopied."""
         h = _canon(header)
-        body = struct.pack("!I", len(h)) + h + payload
-        tag = hmac.new(self.key, self.send_dir + struct.pack("!Q", self.send_seq) + body, hashlib.sha256).digest()
+        prefix = struct.pack("!I", len(h)) + h
+        mac = hmac.new(self.key, self.send_dir + struct.pack("!Q", self.send_seq), hashlib.sha256)
+        mac.update(prefix)
+        mac.update(payload)
         self.send_seq += 1
-        send_frame(self.sock, tag + body)
+        size = memoryview(payload).nbytes
+        self.sock.sendall(struct.pack("!Q", TAG + len(prefix) + size) + mac.digest() + prefix)
+        if size:
+            self.sock.sendall(payload)
 
-    def recv(self) -> tuple[dict, bytes]:
+    def recv(self) -> tuple[dict, memoryview]:
+        """(header, payload): the payload is a writable view of the received frame, not a copy."""
         frame = recv_frame(self.sock)
         tag, body = frame[:TAG], frame[TAG:]
-        want = hmac.new(self.key, self.recv_dir + struct.pack("!Q", self.recv_seq) + body, hashlib.sha256).digest()
-        if not hmac.compare_digest(tag, want):
+        mac = hmac.new(self.key, self.recv_dir + struct.pack("!Q", self.recv_seq), hashlib.sha256)
+        mac.update(body)
+        if not hmac.compare_digest(tag, mac.digest()):
             raise ProtocolError("frame failed authentication")
         self.recv_seq += 1
         (hlen,) = struct.unpack("!I", body[:4])
-        return json.loads(body[4:4 + hlen]), body[4 + hlen:]
+        return json.loads(bytes(body[4:4 + hlen])), body[4 + hlen:]
 
     def close(self) -> None:
         try:
@@ -100,7 +108,7 @@ class Session:
 def client_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session:
     nonce_d = os.urandom(16)
     send_frame(sock, _canon({"role": "kv_consumer", "nonce": nonce_d.hex(), "compat": compat}))
-    hello = json.loads(recv_frame(sock, 1 << 16))
+    hello = json.loads(bytes(recv_frame(sock, 1 << 16)))
     if "error" in hello:
         raise ProtocolError(f"refused by producer: {hello['error']}")
     nonce_p = bytes.fromhex(hello["nonce"])
@@ -111,21 +119,21 @@ def client_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session
     if mismatch:
         raise ProtocolError(mismatch)
     send_frame(sock, _canon({"proof": hmac.new(token, b"D" + transcript, "sha256").hexdigest()}))
-    ok = json.loads(recv_frame(sock, 1 << 16))
+    ok = json.loads(bytes(recv_frame(sock, 1 << 16)))
     if not ok.get("ok"):
         raise ProtocolError(f"refused by producer: {ok.get('error', 'unknown reason')}")
     return Session(sock, hmac.new(token, b"session" + nonce_d + nonce_p, "sha256").digest(), is_consumer=True)
 
 
 def server_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session:
-    hello = json.loads(recv_frame(sock, 1 << 16))
+    hello = json.loads(bytes(recv_frame(sock, 1 << 16)))
     if hello.get("role") != "kv_consumer":
         raise ProtocolError("expected a kv_consumer hello")
     nonce_d, nonce_p = bytes.fromhex(hello["nonce"]), os.urandom(16)
     transcript = _transcript(nonce_d, nonce_p, hello["compat"], compat)
     send_frame(sock, _canon({"role": "kv_producer", "nonce": nonce_p.hex(), "compat": compat,
                              "proof": hmac.new(token, b"P" + transcript, "sha256").hexdigest()}))
-    proof = json.loads(recv_frame(sock, 1 << 16)).get("proof", "")
+    proof = json.loads(bytes(recv_frame(sock, 1 << 16))).get("proof", "")
     if not hmac.compare_digest(bytes.fromhex(proof or "00"), hmac.new(token, b"D" + transcript, "sha256").digest()):
         send_frame(sock, _canon({"ok": False, "error": "consumer failed authentication (wrong KV token?)"}))
         raise ProtocolError("consumer failed authentication")

@@ -130,7 +130,7 @@ class TcpConnector(KVConnector):
                     finally:
                         self._unpin(tid)
                     session.send({"status": "ok", "count": len(ids)}, payload)
-                    self.stats.bytes_sent += len(payload)
+                    self.stats.bytes_sent += payload.nbytes
                 elif op == "done":
                     with self._lock:
                         if tid in self.leases:
@@ -159,10 +159,10 @@ class TcpConnector(KVConnector):
         with self._lock:
             self.leases[tid].pins -= 1
 
-    def _gather(self, block_ids: list[int]) -> bytes:
+    def _gather(self, block_ids: list[int]) -> np.ndarray:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
         data = torch.stack([c.index_select(1, idx) for c in self.kv_caches])  # [layers, 2, n, B, H, D]
-        return data.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        return data.cpu().contiguous().view(torch.uint8).numpy()
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         params = req.kv_transfer_params or {}
@@ -229,16 +229,20 @@ class TcpConnector(KVConnector):
                                           timeout=self.config.kv_transfer_timeout) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 session = client_handshake(sock, self.token, self.compat)
-                for i in range(0, len(job.dst_blocks), BLOCKS_PER_READ):
-                    dst = job.dst_blocks[i:i + BLOCKS_PER_READ]
-                    session.send({"op": "read", "transfer_id": p["transfer_id"], "start": job.src_start + i,
-                                  "count": len(dst)})
+                # All reads go out first, so P gathers and sends the next batch while this side verifies and
+                # writes the previous one.
+                batches = [job.dst_blocks[i:i + BLOCKS_PER_READ] for i in range(0, len(job.dst_blocks),
+                                                                               BLOCKS_PER_READ)]
+                for i, dst in enumerate(batches):
+                    session.send({"op": "read", "transfer_id": p["transfer_id"],
+                                  "start": job.src_start + i * BLOCKS_PER_READ, "count": len(dst)})
+                for dst in batches:
                     header, payload = session.recv()
                     if header.get("status") != "ok" or header.get("count") != len(dst):
                         raise ProtocolError(f"producer answered {header.get('status')!r} for transfer "
                                             f"{p['transfer_id']}")
                     self._scatter(dst, payload)
-                    self.stats.bytes_received += len(payload)
+                    self.stats.bytes_received += payload.nbytes
                 session.send({"op": "done", "transfer_id": p["transfer_id"]})
                 session.recv()
             with self._lock:
@@ -254,13 +258,13 @@ class TcpConnector(KVConnector):
             with self._lock:
                 self._inflight.discard(job.request_id)
 
-    def _scatter(self, dst: list[int], payload: bytes) -> None:
+    def _scatter(self, dst: list[int], payload: memoryview) -> None:
         c0 = self.kv_caches[0]
         shape = (len(self.kv_caches), 2, len(dst), *c0.shape[2:])
         expected = int(np.prod(shape)) * c0.element_size()
-        if len(payload) != expected:
-            raise ProtocolError(f"KV payload of {len(payload)} bytes, expected {expected}")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(c0.dtype).view(shape).to(c0.device)
+        if payload.nbytes != expected:
+            raise ProtocolError(f"KV payload of {payload.nbytes} bytes, expected {expected}")
+        data = torch.frombuffer(payload, dtype=torch.uint8).view(c0.dtype).view(shape).to(c0.device)
         idx = torch.tensor(dst, dtype=torch.long, device=c0.device)
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(1, idx, data[layer])

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.transfer.proof import sign_params
 
 ENGINE = dict(max_model_len=512, kv_cache_memory_gb=0.05)
 PROMPTS = ["def fibonacci(n):\n" * k for k in (1, 3, 9, 20)] + ["x", "import os\nimport sys\n"]
@@ -48,7 +49,8 @@ def prefill_on(p, prompts) -> list[dict]:
     fin = {}
     while p.engine.scheduler.has_unfinished():
         fin.update({o.request_id: o for o in p.engine.step() if o.finished})
-    return [fin[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
+    params = [fin[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
+    return [sign_params(kp, "secret") if kp else None for kp in params]  # what the router does
 
 
 def decode_on(d, prompts, params, max_tokens=16) -> dict:
@@ -126,8 +128,9 @@ def test_transfer_timeout_recomputes(qwen3_tiny, collocated):
     d = consumer(qwen3_tiny)
     from pdserve.transfer.tcp import prompt_hash
     ids = d.get_tokenizer()(PROMPTS[2]).input_ids
-    fake = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
-            "remote_port": srv.getsockname()[1], "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids)}
+    fake = sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+                        "remote_port": srv.getsockname()[1], "num_prompt_tokens": len(ids),
+                        "prompt_hash": prompt_hash(ids)}, "secret")
     t0 = time.monotonic()
     out = decode_on(d, [PROMPTS[2]], [fake])
     assert time.monotonic() - t0 < 5
@@ -142,7 +145,8 @@ def test_wrong_token_refused_at_handshake(qwen3_tiny, collocated, caplog):
     port = free_port()
     p = producer(qwen3_tiny, port)
     d = consumer(qwen3_tiny, kv_auth_token="not-the-secret")
-    params = prefill_on(p, PROMPTS[:2])
+    # the router and D share a token that P does not have: D accepts the params, P's handshake refuses D
+    params = [sign_params(kp, "not-the-secret") for kp in prefill_on(p, PROMPTS[:2])]
     with caplog.at_level("WARNING", logger="pdserve.transfer"):
         out = decode_on(d, PROMPTS[:2], params)
     assert [out[i].outputs[0].token_ids for i in range(2)] == collocated[:2]
@@ -169,10 +173,24 @@ def test_incompatible_model_refused_naming_field(qwen3_tiny, collocated, caplog)
     d.engine.shutdown()
 
 
+def test_unsigned_or_tampered_params_rejected(pd):
+    p, d = pd
+    params = prefill_on(p, PROMPTS[2:3])
+    sp = SamplingParams(max_tokens=2)
+    unsigned = {k: v for k, v in params[0].items() if k != "router_proof"}
+    with pytest.raises(ValueError, match="router proof"):
+        d.engine.add_request(PROMPTS[2], sp, kv_transfer_params=unsigned)
+    with pytest.raises(ValueError, match="router proof"):  # pointed elsewhere after signing
+        d.engine.add_request(PROMPTS[2], sp, kv_transfer_params={**params[0], "remote_port": 1})
+    expire_leases(p)
+    drain(p)
+    assert_whole(p, d)
+
+
 def test_forged_prompt_hash_never_splices(pd, collocated):
     p, d = pd
     params = prefill_on(p, PROMPTS[2:3])
-    params[0] = {**params[0], "prompt_hash": "0" * 64}
+    params[0] = sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")
     out = decode_on(d, PROMPTS[2:3], params)
     assert out[0].outputs[0].token_ids == collocated[2]
     assert d.engine.connector.stats.bytes_received == 0  # rejected before any read

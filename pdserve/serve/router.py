@@ -1,0 +1,232 @@
+"""`pdserve router`: the P/D front door. OpenAI routes in, prefill on a P, decode on a D, D's answer streamed out.
+
+Lifecycle of a request:
+1. the client's body is parsed (400 on bad JSON); `X-Request-Id` is taken or made, and carried to P and D;
+2. step 1, to a healthy P (round-robin or least-loaded): the same request with `max_tokens=1`, `stream=false`,
+   `ignore_eos=true`, no stop conditions, `kv_transfer_params={"do_remote_decode": true}`; a P that fails before
+   answering (connection error, 5xx) is retried on another P; a one-token token-id prompt skips P;
+3. step 2, to a D: the original request plus P's returned `kv_transfer_params` and the router's proof (an HMAC of
+   the params with the KV token, which D checks); a P answer without params (nothing to hand over) sends the
+   original request to D alone, which prefills it locally;
+4. D's response, streamed or not, goes back to the client unchanged.
+A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
+answers again. `/metrics` has the router's TTFT split: P round trip, D's first token after it, and the total.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from pdserve.transfer.proof import sign_params
+
+logger = logging.getLogger("pdserve.router")
+STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")
+
+
+@dataclass
+class Node:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+
+
+@dataclass
+class Pool:
+    nodes: list[Node]
+    policy: str
+    _rr: itertools.count = field(default_factory=itertools.count)
+
+    def pick(self, exclude: tuple = ()) -> Optional[Node]:
+        live = [n for n in self.nodes if n.healthy and n not in exclude]
+        if not live:
+            return None
+        if self.policy == "least-loaded":
+            return min(live, key=lambda n: n.in_flight)
+        return live[next(self._rr) % len(live)]
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+class Router:
+    def __init__(self, prefill: list[str], decode: list[str], policy: str, kv_token: str,
+                 health_interval: float = 1.0, timeout: float = 600.0):
+        self.prefill = Pool([Node(u.rstrip("/")) for u in prefill], policy)
+        self.decode = Pool([Node(u.rstrip("/")) for u in decode], policy)
+        self.kv_token = kv_token
+        self.health_interval = health_interval
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("pdserve_router_ttft_seconds", "Router-side time to first token, by stage: "
+                              "prefill (router -> P -> router, prefill and KV lease included), decode_first_token "
+                              "(D's KV pull, queue and first token after P answered), total.", ["stage"],
+                              registry=self.registry,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    async def health_loop(self) -> None:
+        while True:
+            for node in self.prefill.nodes + self.decode.nodes:
+                try:
+                    r = await self.client.get(node.url + "/health", timeout=2.0)
+                    ok = r.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok != node.healthy:
+                    logger.warning("node %s is %s", node.url, "back" if ok else "down: taken out of rotation")
+                node.healthy = ok
+            await asyncio.sleep(self.health_interval)
+
+    async def _prefill(self, path: str, body: dict, headers: dict) -> tuple[Optional[dict], Optional[Response]]:
+        """P's kv_transfer_params (None: nothing to hand over), or an error response for the client."""
+        p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
+        p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
+        tried: tuple = ()
+        while (node := self.prefill.pick(tried)) is not None:
+            tried += (node,)
+            node.in_flight += 1
+            try:
+                r = await self.client.post(node.url + path, json=p_body, headers=headers)
+            except httpx.HTTPError as e:
+                logger.warning("[%s] prefill node %s failed: %s; trying another", headers["X-Request-Id"], node.url, e)
+                continue
+            finally:
+                node.in_flight -= 1
+            if r.status_code >= 500:
+                continue
+            if r.status_code != 200:  # the client's mistake: P's 4xx goes back as it is
+                return None, Response(r.content, r.status_code, media_type="application/json")
+            return r.json().get("kv_transfer_params"), None
+        return None, None  # no P left: D prefills locally
+
+    async def handle(self, request: Request, path: str) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        if "authorization" in request.headers:
+            headers["Authorization"] = request.headers["authorization"]
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return error(400, "request body must be a JSON object")
+        body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes
+        t0 = time.monotonic()
+        prompt = body.get("prompt")
+        one_token = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int)
+        params, err = (None, None) if one_token else await self._prefill(path, body, headers)
+        if err is not None:
+            return err
+        t_prefill = time.monotonic()
+        self.ttft.labels("prefill").observe(t_prefill - t0)
+        d_body = dict(body)
+        if params:
+            d_body["kv_transfer_params"] = sign_params(params, self.kv_token)
+        node = self.decode.pick()
+        if node is None:
+            return error(503, "no healthy decode node", "service_unavailable")
+        node.in_flight += 1
+        req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
+        try:
+            upstream = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            node.in_flight -= 1
+            return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
+        first = [True]
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    if first[0]:
+                        first[0] = False
+                        now = time.monotonic()
+                        self.ttft.labels("decode_first_token").observe(now - t_prefill)
+                        self.ttft.labels("total").observe(now - t0)
+                    yield chunk
+            finally:
+                node.in_flight -= 1
+                await upstream.aclose()
+
+        media = upstream.headers.get("content-type", "application/json")
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
+                                 headers={"X-Request-Id": rid})
+
+
+def build_app(router: Router) -> FastAPI:
+    async def lifespan(app):
+        task = asyncio.create_task(router.health_loop())
+        yield
+        task.cancel()
+        await router.client.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await router.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        node = router.decode.pick()
+        if node is None:
+            return error(503, "no healthy decode node", "service_unavailable")
+        r = await router.client.get(node.url + "/v1/models")
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        ok = any(n.healthy for n in router.decode.nodes)
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/nodes")
+    async def nodes():
+        return {"prefill": [n.__dict__ for n in router.prefill.nodes],
+                "decode": [n.__dict__ for n in router.decode.nodes]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="Prefill node base URLs.")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="Decode node base URLs.")
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
+    p.add_argument("--policy", choices=("round-robin", "least-loaded"), default="round-robin",
+                   help="How a P and a D are chosen among the healthy ones (default: round-robin).")
+    p.add_argument("--kv-auth-token", default=None,
+                   help="Shared KV token, to sign kv_transfer_params for D (default: $PDSERVE_KV_TOKEN).")
+    p.add_argument("--health-interval", type=float, default=1.0, help="Seconds between node health checks.")
+    p.add_argument("--log-level", default="info", help="Log level (default: info).")
+
+
+def run_router(args) -> int:
+    import os
+
+    import uvicorn
+    token = args.kv_auth_token or os.environ.get("PDSERVE_KV_TOKEN", "")
+    if not token:
+        raise ValueError("--kv-auth-token (or PDSERVE_KV_TOKEN) is required: D refuses unsigned kv_transfer_params")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(args.prefill, args.decode, args.policy, token, args.health_interval)
+    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0

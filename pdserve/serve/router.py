@@ -230,3 +230,18 @@ def run_router(args) -> int:
     router = Router(args.prefill, args.decode, args.policy, token, args.health_interval)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_router_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_router(args)
+    except ValueError as e:
+        parser.exit(2, f"pdserve router: error: {e}\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

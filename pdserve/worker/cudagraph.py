@@ -3,8 +3,9 @@
 On CUDA each callable is captured once at start-up into a `torch.cuda.CUDAGraph` (largest first, one shared memory
 pool) and replayed per step. On CPU nothing can be captured: the same callable runs eagerly on the same buffers.
 Its attention reads a fixed block-table width: the whole table on CUDA (a graph's shapes are frozen), and on CPU
-the batch's widest row rounded up to a power of two, so an eager FULL step does not pay for max_model_len keys
-per row; each (descriptor, width) callable still has fixed shapes.
+the batch's widest row rounded up to a multiple of 4 blocks, so an eager FULL step does not pay for
+max_model_len keys per row (the K/V gather is most of a CPU decode step); each (descriptor, width) callable still
+has fixed shapes.
 """
 from __future__ import annotations
 
@@ -34,10 +35,7 @@ class FullGraphRunner:
         full = self.buffers.max_blocks
         if self.device.type == "cuda":
             return full
-        w = 1
-        while w < max_row_blocks:
-            w *= 2
-        return min(w, full)
+        return min(-(-max_row_blocks // 4) * 4, full)
 
     def step_callable(self, desc: BatchDescriptor, width: int) -> Callable[[], torch.Tensor]:
         key = (desc, width)

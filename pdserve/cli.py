@@ -1,4 +1,4 @@
-"""`pdserve` command line: make-model | generate (serve, router and bench come with their issues)."""
+"""`pdserve` command line: make-model | generate | serve | router."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,54 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="Keep generating past the EOS token.")
     for cls in ENGINE_SECTIONS:
         add_dataclass_args(p, cls)
+
+
+def _serve_parser(sub) -> None:
+    from pdserve.config import ENGINE_SECTIONS, add_dataclass_args
+    from pdserve.serve.server_config import ServerConfig
+    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                       description="Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /health, /version, /metrics) for a local Hugging Face model "
+                                   "directory.")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="Local Hugging Face model directory.")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="Name(s) the API answers to; the first is reported in responses (default: the model "
+                        "directory's name).")
+    add_dataclass_args(p, ServerConfig)
+    for cls in ENGINE_SECTIONS:
+        add_dataclass_args(p, cls)
+    if not any(a.dest == "kv_transfer_config" for a in p._actions):
+        p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                       help="KV connector for P/D as JSON, vLLM-style (e.g. '{\"kv_connector\": \"TcpConnector\", "
+                            "\"kv_role\": \"kv_producer\"}'); without it, requests with kv_transfer_params are "
+                            "refused with 400.")
+
+
+def cmd_serve(args) -> int:
+    import dataclasses
+    from pdserve.config import EngineConfig, engine_kwargs_from_args
+    from pdserve.serve.api_server import run_server
+    from pdserve.serve.server_config import ServerConfig
+    names = {f.name for f in dataclasses.fields(ServerConfig) if f.metadata.get("cli", True)}
+    cfg = ServerConfig(**{k: v for k, v in vars(args).items() if k in names},
+                       served_model_name=tuple(args.served_model_name or ()))
+    cfg.validate()
+    engine_config = EngineConfig.from_kwargs(args.model_dir, kv_transfer_config=args.kv_transfer_config,
+                                             **engine_kwargs_from_args(args))
+    return run_server(engine_config, cfg)
+
+
+def _router_parser(sub) -> None:
+    from pdserve.serve.router import add_router_args
+    p = sub.add_parser("router", help="Route OpenAI requests through prefill (P) then decode (D) nodes.",
+                       description="P/D router: each request is prefilled on a P (max_tokens=1, KV kept under a "
+                                   "lease), then decoded on a D that pulls the KV; D's answer is streamed back.")
+    add_router_args(p)
+
+
+def cmd_router(args) -> int:
+    from pdserve.serve.router import run_router
+    return run_router(args)
 
 
 def cmd_make_model(args) -> int:
@@ -87,8 +135,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _make_model_parser(sub)
     _generate_parser(sub)
+    _serve_parser(sub)
+    _router_parser(sub)
     args = parser.parse_args(argv)
-    handlers = {"make-model": cmd_make_model, "generate": cmd_generate}
+    handlers = {"make-model": cmd_make_model, "generate": cmd_generate, "serve": cmd_serve, "router": cmd_router}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:

@@ -255,6 +255,15 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
+    def transfer_stats(self) -> Optional[dict]:
+        """KV transfer counters for /metrics (None without a connector)."""
+        stats = getattr(self.connector, "stats", None)
+        if stats is None:
+            return None
+        return {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                "seconds_receiving": stats.seconds_receiving, "failures": dict(stats.failures),
+                "leased_blocks": self.num_leased_blocks()}
+
     def num_leased_blocks(self) -> int:
         return sum(len(self.kv.blocks_of(r)) for r in self.scheduler.leased)
 

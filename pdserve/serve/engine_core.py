@@ -29,6 +29,8 @@ class TokenRecord:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
+    rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
 
 
 @dataclass
@@ -58,7 +60,8 @@ def _record(out) -> TokenRecord:
             rest = [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items() if t != tok]
             lps.append([(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2]))
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
-                       c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error)
+                       c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
+                       getattr(out, "kv_transfer_params", None))
 
 
 class EngineCore:
@@ -82,33 +85,48 @@ class EngineCore:
             return
         eng = self.engine
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
-                             eng.config.kv_transfer is not None))
-        while not self._stop:
-            busy = eng.has_unfinished_requests()
-            batch = StepBatch(0.0)
-            for cmd in self.inbox.get(block=not busy):
-                self._handle(cmd, batch)
-            if eng.has_unfinished_requests() and not self._stop:
-                batch.records.extend(_record(o) for o in eng.step())
-            if batch.records or batch.replies:
-                batch.time = time.monotonic()
-                self.sink(batch)
+                             getattr(eng, "connector", None) is not None))
+        try:
+            while not self._stop:
+                busy = eng.has_unfinished_requests()
+                batch = StepBatch(0.0)
+                for cmd in self.inbox.get(block=not busy):
+                    self._handle(cmd, batch)
+                if eng.has_unfinished_requests() and not self._stop:
+                    batch.records.extend(_record(o) for o in eng.step())
+                if batch.records or batch.replies:
+                    batch.time = time.monotonic()
+                    self.sink(batch)
+        except BaseException as e:  # the engine's state can no longer be trusted: say so, and stop
+            logger.exception("engine loop died")
+            self.sink(RuntimeError(f"engine loop died: {type(e).__name__}: {e}"))
+            return
         for rid in list(eng.scheduler.requests):  # stopped with requests left: free them
             eng.abort_request(rid)
+        if hasattr(eng, "shutdown"):
+            eng.shutdown()  # the KV connector's server and threads, if any
 
     def _handle(self, cmd: tuple, batch: StepBatch) -> None:
         eng, op = self.engine, cmd[0]
         if op == "add":
-            _, rid, token_ids, params, arrival = cmd
+            _, rid, token_ids, params, arrival, kv_params = cmd
             try:
-                eng.add_request(token_ids, params, rid, arrival_time=arrival)
-            except Exception as e:  # validated before it was sent; should it still fail, fail this request only
-                logger.warning("[%s] add_request failed: %s", rid, e)
+                if kv_params is None:
+                    eng.add_request(token_ids, params, rid, arrival_time=arrival)
+                else:
+                    eng.add_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params)
+                    batch.records.append(TokenRecord(rid, [], "", False))  # accepted: the server may answer now
+            except ValueError as e:  # what only the engine can check (kv_transfer_params): the client's fault
+                logger.warning("request refused: %s", e, extra={"request_id": rid})
+                batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e), rejected=True))
+            except Exception as e:  # should it still fail, fail this request only
+                logger.exception("add_request failed", extra={"request_id": rid})
                 batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e)))
         elif op == "abort":
             out = eng.abort_request(cmd[1])
             if out is not None:
-                logger.info("[%s] aborted", cmd[1])
+                logger.info("aborted (%d tokens generated)", len(out.outputs[0].token_ids),
+                            extra={"request_id": cmd[1]})
                 batch.records.append(_record(out))
         elif op == "abort_all":
             for rid in list(eng.scheduler.requests):
@@ -128,8 +146,9 @@ class EngineCore:
     def _q_stats(self) -> dict:
         eng = self.engine
         s = eng.scheduler
+        transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": eng.kv.pool.usage(),
-                "preemptions": s.num_preemptions, "graph": eng.graph_stats()}
+                "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer}
 
     def _q_kv(self) -> dict:
         eng = self.engine
@@ -144,6 +163,8 @@ class EngineCore:
                "invariants_ok": ok}
         if err:
             out["invariant_error"] = err
+        if hasattr(eng, "num_leased_blocks"):
+            out["leased_blocks"] = eng.num_leased_blocks()  # P: blocks held for decode nodes to read
         return out
 
 
@@ -190,7 +211,8 @@ def run_in_process(engine_config, cmd_conn, out_conn, log_level: str) -> None:
     """Entry point of the engine child process."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles signals and stops us with a command
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s")
+    from pdserve.serve.request_context import configure_logging
+    configure_logging(log_level)
 
     def sink(obj):
         try:

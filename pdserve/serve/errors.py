@@ -2,6 +2,7 @@
 (including FastAPI's validation errors and unhandled exceptions) take that shape; no traceback reaches a client."""
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Optional
@@ -36,6 +37,10 @@ def bad_request(message: str, param: Optional[str] = None) -> APIError:
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
     kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def dumps_error(status: int, message: str, param: Optional[str] = None) -> bytes:
+    return json.dumps(error_body(status, message, param)).encode()
 
 
 def error_response(status: int, message: str, param: Optional[str] = None,

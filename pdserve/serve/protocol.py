@@ -104,6 +104,7 @@ class GenerationRequest:
     echo: bool
     return_token_ids: bool
     unknown_fields: list[str]
+    kv_transfer_params: Optional[dict] = None
 
 
 def parse_json_body(body: bytes) -> dict:
@@ -208,7 +209,8 @@ def _unsupported(req: _Common) -> None:
 
 def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional[int],
                      info: ModelInfo) -> SamplingParams:
-    explicit = {k: getattr(req, k) for k in _SAMPLING_FIELDS if k in req.model_fields_set and getattr(req, k) is not None}
+    explicit = {k: getattr(req, k) for k in _SAMPLING_FIELDS
+                if k in req.model_fields_set and getattr(req, k) is not None}
     explicit["max_tokens"] = max_tokens
     explicit["logprobs"] = logprobs
     try:
@@ -260,4 +262,4 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
     unknown = sorted(req.model_extra or {})
     return GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                              opts.continuous_usage_stats, bool(getattr(req, "echo", False)),
-                             bool(req.return_token_ids), unknown)
+                             bool(req.return_token_ids), unknown, req.kv_transfer_params)

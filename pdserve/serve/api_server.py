@@ -1,0 +1,213 @@
+"""`pdserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an AsyncEngine.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics and, with
+--enable-debug-routes, /debug/kv. The engine is built in the background after the socket is open, so /health
+answers 503 until start-up is done. SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to
+--shutdown-timeout seconds, abort the rest, stop the engine loop, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import pdserve
+from pdserve.serve.async_engine import AsyncEngine
+from pdserve.serve.errors import APIError, install_error_handlers
+from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.serve.protocol import ModelInfo, parse_json_body
+from pdserve.serve.request_context import RequestContextMiddleware, configure_logging
+from pdserve.serve.server_config import ServerConfig
+from pdserve.serve.serving import OpenAIServing
+
+logger = logging.getLogger("pdserve.serve")
+_DRAIN_SLACK = 2 ** 20 * 8  # bytes of an oversized body still read (and dropped) so the client sees the 413
+
+
+class ServerState:
+    def __init__(self, engine_config, cfg: ServerConfig):
+        from transformers import AutoTokenizer
+        self.cfg = cfg
+        self.model_dir = engine_config.model.model
+        self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
+        self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)  # the server's own: never the engine's
+        gen_path = Path(self.model_dir) / "generation_config.json"
+        self.generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        self.metrics = ServerMetrics(self.names[0])
+        self.engine = AsyncEngine(engine_config, cfg.engine_backend, cfg.max_waiting, self.metrics, cfg.log_level)
+        self.serving: Optional[OpenAIServing] = None
+        self.created = int(time.time())
+        self.startup_failed = False
+
+    async def on_engine_ready(self, server=None) -> None:
+        try:
+            await self.engine.wait_started()
+        except Exception as e:
+            logger.error("%s", e)
+            self.startup_failed = True
+            if server is not None:
+                server.should_exit = True
+            return
+        info = self.engine.info
+        self.serving = OpenAIServing(self.engine, ModelInfo(self.names, self.tokenizer, info.vocab_size,
+                                                            info.max_model_len, self.generation_config,
+                                                            info.has_kv_connector))
+        logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s", info.max_model_len,
+                    info.num_blocks, info.device, self.cfg.engine_backend)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    too_big = APIError(413, f"request body is larger than the server's limit of {limit} bytes (--max-body-bytes)")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit + _DRAIN_SLACK:
+        raise too_big
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+        elif size > limit + _DRAIN_SLACK:
+            break
+    if size > limit:
+        raise too_big
+    return parse_json_body(bytes(body))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        watcher = asyncio.ensure_future(state.on_engine_ready(app.state.uvicorn_server))
+        yield
+        watcher.cancel()
+        await state.engine.shutdown()
+
+    app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.uvicorn_server = None
+    app.add_middleware(RequestContextMiddleware)
+    install_error_handlers(app)
+
+    async def check_auth(request: Request) -> None:  # async: a sync dependency would hop to a worker thread
+        if state.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if auth != f"Bearer {state.api_key}":
+            raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def serving() -> OpenAIServing:
+        if state.serving is None:
+            state.engine.check_accepting()  # raises the right 503
+            raise APIError(503, "the engine is still starting up")
+        return state.serving
+
+    async def generate(kind: str, request: Request) -> Response:
+        arrival = time.monotonic()
+        srv = serving()
+        data = await read_json(request, state.cfg.max_body_bytes)
+        return await srv.create(kind, data, request, request.state.request_id, arrival)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    async def completions(request: Request):
+        return await generate("completion", request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    async def chat_completions(request: Request):
+        return await generate("chat", request)
+
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models():
+        max_len = state.engine.info.max_model_len if state.engine.info else None
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "pdserve", "root": state.model_dir,
+             "parent": None, "max_model_len": max_len} for name in state.names]}
+
+    @app.get("/health")
+    async def health():
+        if state.serving is not None and state.engine.ready and state.engine.accepting:
+            return Response(status_code=200)
+        why = "shutting down" if not state.engine.accepting else \
+            "engine not running" if state.engine.error or (state.engine.info and not state.engine.ready) else \
+            "starting up"
+        return JSONResponse({"status": why}, status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pdserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = None
+        if state.engine.ready:
+            try:
+                stats = await state.engine.query("stats", timeout=10.0)
+            except Exception as e:  # answer with what the server side has
+                logger.warning("engine stats unavailable: %s", e)
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    if state.cfg.enable_debug_routes:
+        @app.get("/debug/kv")
+        async def debug_kv():
+            return await state.engine.query("kv", timeout=30.0)
+
+    return app
+
+
+class _Server:
+    """uvicorn.Server whose first SIGTERM/SIGINT also starts draining the engine."""
+
+    @staticmethod
+    def make(config, state: ServerState):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                if not self.should_exit and self._loop is not None:
+                    logger.info("received %s: draining (up to %.1f s)", signal.Signals(sig).name,
+                                state.cfg.shutdown_timeout)
+                    self._loop.call_soon_threadsafe(
+                        lambda: asyncio.ensure_future(state.engine.drain(state.cfg.shutdown_timeout)))
+                super().handle_exit(sig, frame)
+
+            async def serve(self, sockets=None):
+                self._loop = asyncio.get_running_loop()
+                await super().serve(sockets)
+
+        server = Server(config)
+        server._loop = None
+        return server
+
+
+def run_server(engine_config, cfg: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a clean shutdown)."""
+    import uvicorn
+    cfg.validate()
+    configure_logging(cfg.log_level)
+    state = ServerState(engine_config, cfg)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                            log_level=cfg.log_level, timeout_graceful_shutdown=cfg.shutdown_timeout + 10,
+                            timeout_keep_alive=30)
+    server = _Server.make(config, state)
+    app.state.uvicorn_server = server
+    # Installed just before uvicorn takes the signals over. uvicorn restores the handlers it found and re-raises
+    # the signal it caught once it has shut down; with these in place that re-raise is a no-op and the process
+    # exits 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: None)
+    server.run()
+    if state.startup_failed:
+        return 1
+    logger.info("shut down cleanly")
+    return 0

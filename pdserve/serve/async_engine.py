@@ -1,0 +1,261 @@
+"""AsyncEngine: the event loop's side of the engine loop (engine_core), run in a thread or a child process.
+
+Requests go to the engine loop through a thread-safe inbox; each step's records come back in one
+`loop.call_soon_threadsafe` call and are fanned out to per-request asyncio queues. A consumer that goes away
+(client disconnect, cancelled stream) sends an abort, which the engine loop applies at its next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from pdserve.serve.engine_core import EngineCore, EngineInfo, QueueInbox, StepBatch, TokenRecord, run_in_process
+from pdserve.serve.errors import APIError
+
+logger = logging.getLogger("pdserve.serve.engine")
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_time: Optional[float] = None
+    last_time: Optional[float] = None
+    num_tokens: int = 0
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine_config, backend: str = "thread", max_waiting: int = 1024, metrics=None,
+                 log_level: str = "info"):
+        self.engine_config = engine_config
+        self.backend = backend
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.log_level = log_level
+        self.info: Optional[EngineInfo] = None
+        self.error: Optional[BaseException] = None
+        self.accepting = True
+        self._reqs: dict[str, _RequestState] = {}
+        self._num_queued = 0  # accepted requests without a first token yet
+        self._queries: dict[int, asyncio.Future] = {}
+        self._qids = itertools.count()
+        self._inbox = QueueInbox()
+        self._threads: list[threading.Thread] = []
+        self._proc = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._started = asyncio.Event()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Start the engine loop (it builds the engine); `ready` turns true when start-up is done."""
+        self._loop = asyncio.get_running_loop()
+        if self.backend == "thread":
+            core = EngineCore(self.engine_config, self._inbox, self._from_engine)
+            self._spawn(core.run, "pdserve-engine")
+            return
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_in_process, name="pdserve-engine", daemon=True,
+                                 args=(self.engine_config, cmd_recv, out_send, self.log_level))
+        self._proc.start()
+        cmd_recv.close()
+        out_send.close()
+        self._spawn(lambda: self._pipe_reader(out_recv), "pdserve-engine-reader")
+        self._spawn(lambda: self._pipe_writer(cmd_send), "pdserve-engine-writer")
+
+    def _spawn(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _pipe_reader(self, conn) -> None:
+        while True:
+            try:
+                obj = conn.recv()
+            except (EOFError, OSError):
+                self._from_engine(RuntimeError("the engine process exited"))
+                return
+            self._from_engine(obj)
+
+    def _pipe_writer(self, conn) -> None:
+        while True:
+            for cmd in self._inbox.get(block=True):
+                try:
+                    conn.send(cmd)
+                except (BrokenPipeError, OSError):
+                    return
+                if cmd[0] == "stop":
+                    return
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.error is None and self.alive()
+
+    def alive(self) -> bool:
+        if self._proc is not None and not self._proc.is_alive():
+            return False
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    async def wait_started(self) -> None:
+        """Wait until start-up is done (raises if it failed)."""
+        await self._started.wait()
+        if self.error is not None:
+            raise self.error
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop",))
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            await asyncio.to_thread(t.join, max(deadline - time.monotonic(), 0.1))
+        if self._proc is not None:
+            await asyncio.to_thread(self._proc.join, max(deadline - time.monotonic(), 0.1))
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        self._fail_all("the server is shutting down")
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; let in-flight requests finish for up to `timeout` s, then abort those left."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        if self._reqs:
+            logger.info("waiting up to %.1f s for %d in-flight request(s)", timeout, len(self._reqs))
+        while self._reqs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._reqs:
+            logger.warning("shutdown timeout: aborting %d in-flight request(s)", len(self._reqs))
+            self._inbox.put(("abort_all",))
+            end = time.monotonic() + 5.0
+            while self._reqs and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ engine -> event loop
+
+    def _from_engine(self, obj: Any) -> None:  # any thread
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._dispatch, obj)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _dispatch(self, obj: Any) -> None:  # event loop
+        if isinstance(obj, StepBatch):
+            for rec in obj.records:
+                self._on_record(rec, obj.time)
+            for qid, result in obj.replies:
+                fut = self._queries.pop(qid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(result) if isinstance(result, BaseException) else fut.set_result(result)
+        elif isinstance(obj, EngineInfo):
+            self.info = obj
+            self._started.set()
+        elif isinstance(obj, BaseException):
+            self.error = obj
+            self._started.set()
+            self._fail_all(str(obj))
+
+    def _on_record(self, rec: TokenRecord, t: float) -> None:
+        st = self._reqs.get(rec.request_id)
+        if st is None:
+            return
+        if self.metrics is not None and not rec.rejected:
+            self.metrics.on_tokens(st, rec, t)
+        if st.first_time is None and (rec.new_token_ids or rec.finished):
+            self._num_queued -= 1
+        if rec.new_token_ids:
+            st.first_time = st.first_time or t
+            st.last_time = t
+            st.num_tokens += len(rec.new_token_ids)
+        if rec.finished:
+            st.finished = True
+            del self._reqs[rec.request_id]
+        st.queue.put_nowait(rec)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._reqs):
+            self._on_record(TokenRecord(rid, [], "", True, "error", error=message), time.monotonic())
+        for fut in self._queries.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(message))
+        self._queries.clear()
+
+    # ------------------------------------------------------------------ event loop -> engine
+
+    def check_accepting(self) -> None:
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down")
+        if self.error is not None or (self.info is not None and not self.alive()):
+            raise APIError(503, "the engine is not running")
+        if self.info is None:
+            raise APIError(503, "the engine is still starting up")
+        if self._num_queued >= self.max_waiting:
+            raise APIError(503, f"the server is overloaded: {self._num_queued} requests are already waiting "
+                                f"(--max-waiting {self.max_waiting}); retry later", headers={"Retry-After": "1"})
+
+    def unique_id(self, request_id: str) -> str:
+        if request_id not in self._reqs:
+            return request_id
+        return next(f"{request_id}-{i}" for i in itertools.count(1) if f"{request_id}-{i}" not in self._reqs)
+
+    def submit(self, request_id: str, token_ids: list[int], params, arrival: float,
+               kv_transfer_params: Optional[dict] = None) -> _RequestState:
+        """Admit a request (or raise the 503) and send it to the engine loop; read it with `stream(state)`.
+        A request id already in flight gets a suffix, so ids stay unique in the engine."""
+        self.check_accepting()
+        request_id = self.unique_id(request_id)
+        st = _RequestState(request_id, arrival)
+        self._reqs[request_id] = st
+        self._num_queued += 1
+        self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params))
+        return st
+
+    async def stream(self, st: _RequestState) -> AsyncIterator[list[TokenRecord]]:
+        """Yield the request's records (in lists of those that arrived together) until the finished one.
+        Leaving early (cancellation, close) aborts the request."""
+        try:
+            while True:
+                recs = [await st.queue.get()]
+                while not st.queue.empty():  # a slow reader gets what piled up in one go
+                    recs.append(st.queue.get_nowait())
+                yield recs
+                if recs[-1].finished:
+                    return
+        finally:
+            if not st.finished:
+                logger.info("client went away: aborting the request")
+                self._inbox.put(("abort", st.request_id))
+
+    async def collect(self, request_id: str, token_ids: list[int], params, arrival: float,
+                      kv_transfer_params: Optional[dict] = None) -> list[TokenRecord]:
+        st = self.submit(request_id, token_ids, params, arrival, kv_transfer_params)
+        async with aclosing(self.stream(st)) as gen:
+            return [rec async for recs in gen for rec in recs]
+
+    async def query(self, name: str, timeout: float = 30.0) -> Any:
+        """Run a named read-only query (`stats`, `kv`) in the engine loop, between steps."""
+        if not self.ready:
+            raise APIError(503, "the engine is not running")
+        qid = next(self._qids)
+        fut = self._loop.create_future()
+        self._queries[qid] = fut
+        self._inbox.put(("query", qid, name))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._queries.pop(qid, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._reqs)

@@ -1,0 +1,179 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions, built from engine records."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from pdserve.serve.engine_core import TokenRecord
+from pdserve.serve.protocol import GenerationRequest
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(n_prompt: int, n_out: int, n_cached: int = 0) -> dict:
+    u = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    if n_cached:
+        u["prompt_tokens_details"] = {"cached_tokens": n_cached}
+    return u
+
+
+def _tok(s: Optional[str]) -> str:
+    return s if s is not None else ""
+
+
+def completion_logprobs(entries: list, offset: int) -> tuple[dict, int]:
+    """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        tok_id, lp, _rank, text = entry[0]
+        text = _tok(text)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({_tok(t): v for _, v, _, t in entry})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def chat_logprobs(entries: list, top_n: int) -> dict:
+    content = []
+    for entry in entries:
+        _, lp, _, text = entry[0]
+        text = _tok(text)
+        top = sorted(entry, key=lambda r: r[2])[:top_n]
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": _tok(t), "logprob": v, "bytes": list(_tok(t).encode())}
+                                         for _, v, _, t in top]})
+    return {"content": content}
+
+
+class ResponseBuilder:
+    """Accumulates a request's records; renders the full response or the stream chunks."""
+
+    def __init__(self, greq: GenerationRequest, response_id: str, created: int):
+        self.g = greq
+        self.id = response_id
+        self.created = created
+        self.object = "text_completion" if greq.kind == "completion" else "chat.completion"
+        self.chunk_object = "text_completion" if greq.kind == "completion" else "chat.completion.chunk"
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprob_entries: list = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+        self.num_cached = 0
+        self.error: Optional[str] = None
+        self.kv_transfer_params: Optional[dict] = None
+        self.rejected = False
+        self._offset = 0
+        self._role_sent = False
+
+    def add(self, rec: TokenRecord) -> None:
+        self.text_parts.append(rec.delta_text)
+        self.token_ids.extend(rec.new_token_ids)
+        if rec.logprobs:
+            self.logprob_entries.extend(rec.logprobs)
+        self.num_cached = rec.num_cached_tokens or self.num_cached
+        if rec.finished:
+            self.finish_reason, self.stop_reason, self.error = rec.finish_reason, rec.stop_reason, rec.error
+            self.kv_transfer_params = rec.kv_transfer_params
+            self.rejected = rec.rejected
+
+    def usage(self) -> dict:
+        return usage(len(self.g.prompt_token_ids), len(self.token_ids), self.num_cached)
+
+    def _logprobs(self, entries: list):
+        if self.g.params.logprobs is None:
+            return None
+        if self.g.kind == "chat":
+            return chat_logprobs(entries, self.g.params.logprobs)
+        lp, self._offset = completion_logprobs(entries, self._offset)
+        return lp
+
+    # -------------------------------------------------------------- full response
+
+    def full(self, echo_prefix: str = "") -> dict:
+        text = echo_prefix + "".join(self.text_parts)
+        if self.g.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprob_entries),
+                      "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+            if self.g.return_token_ids:
+                choice["prompt_token_ids"] = self.g.prompt_token_ids
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(self.logprob_entries), "finish_reason": self.finish_reason,
+                      "stop_reason": self.stop_reason}
+        if self.g.return_token_ids:
+            choice["token_ids"] = self.token_ids
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.g.model,
+                "choices": [choice], "usage": self.usage()}
+        if self.g.return_token_ids and self.g.kind == "chat":
+            body["prompt_token_ids"] = self.g.prompt_token_ids
+        if self.kv_transfer_params is not None:
+            body["kv_transfer_params"] = self.kv_transfer_params
+        return body
+
+    # -------------------------------------------------------------- stream
+
+    def _chunk(self, choice: dict) -> dict:
+        obj = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.g.model,
+               "choices": [choice]}
+        if self.g.continuous_usage:
+            obj["usage"] = self.usage()
+        return obj
+
+    def first_chunks(self, echo_prefix: str = "") -> str:
+        """What goes out before any token: the chat role, or the echoed prompt."""
+        if self.g.kind == "chat":
+            return sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}))
+        if echo_prefix:
+            choice = {"index": 0, "text": echo_prefix, "logprobs": None, "finish_reason": None}
+            if self.g.return_token_ids:
+                choice["prompt_token_ids"] = self.g.prompt_token_ids
+            return sse(self._chunk(choice))
+        return ""
+
+    def chunks(self, recs: list[TokenRecord]) -> str:
+        """SSE text for records received together (one chunk; the finish reason on the last)."""
+        for rec in recs:
+            self.add(rec)
+        last = recs[-1]
+        text = "".join(r.delta_text for r in recs)
+        ids = [t for r in recs for t in r.new_token_ids]
+        entries = [e for r in recs for e in (r.logprobs or ())]
+        if last.finished and last.finish_reason == "error":
+            return sse({"error": {"message": last.error or "request failed", "type": "InternalServerError",
+                                  "param": None, "code": 500}})
+        if not text and not last.finished and not entries and not self.g.return_token_ids:
+            return ""
+        fr = last.finish_reason if last.finished else None
+        if self.g.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(entries), "finish_reason": fr}
+        else:
+            choice = {"index": 0, "delta": {"content": text} if text or not last.finished else {},
+                      "logprobs": self._logprobs(entries), "finish_reason": fr}
+        if last.finished:
+            choice["stop_reason"] = last.stop_reason
+        if self.g.return_token_ids:
+            choice["token_ids"] = ids
+        chunk = self._chunk(choice)
+        if last.finished and self.kv_transfer_params is not None:
+            chunk["kv_transfer_params"] = self.kv_transfer_params
+        return sse(chunk)
+
+    def final_chunks(self) -> str:
+        out = ""
+        if self.g.include_usage:
+            out += sse({"id": self.id, "object": self.chunk_object, "created": self.created,
+                        "model": self.g.model, "choices": [], "usage": self.usage()})
+        return out + SSE_DONE

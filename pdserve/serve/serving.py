@@ -1,0 +1,120 @@
+"""The flow of one completion or chat request: translate the body, submit it, then answer in full or as a stream.
+
+A non-streaming request watches for the client going away while it waits; a streaming one is cancelled by the
+ASGI server when the client disconnects. Either way the engine gets an abort and frees the request's blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.serve.async_engine import AsyncEngine
+from pdserve.serve.errors import APIError
+from pdserve.serve.protocol import GenerationRequest, ModelInfo, to_generation_request
+from pdserve.serve.responses import ResponseBuilder, sse
+
+logger = logging.getLogger("pdserve.serve")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, info: ModelInfo):
+        self.engine = engine
+        self.info = info
+
+    async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
+        greq = to_generation_request(kind, data, self.info)
+        if greq.unknown_fields:
+            logger.warning("ignoring unknown field(s): %s", ", ".join(greq.unknown_fields))
+        echo = self._echo_prefix(greq)
+        st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
+        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        builder = ResponseBuilder(greq, prefix + st.request_id, int(time.time()))
+        logger.info("%s request: %d prompt tokens, max_tokens=%s, stream=%s", kind, len(greq.prompt_token_ids),
+                    greq.params.max_tokens, greq.stream)
+        gen = self.engine.stream(st)
+        if greq.stream:
+            first = None
+            if greq.kv_transfer_params is not None:  # the engine checks these: wait for its verdict (one step)
+                first = await self._first(gen)
+            return StreamingResponse(self._stream(gen, builder, echo, first), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        return await self._full(gen, builder, echo, request)
+
+    @staticmethod
+    async def _first(gen) -> list:
+        try:
+            recs = await gen.__anext__()
+        except BaseException:
+            await gen.aclose()
+            raise
+        if recs[-1].finished and recs[-1].rejected:
+            await gen.aclose()
+            raise APIError(400, recs[-1].error or "request refused", "kv_transfer_params")
+        return recs
+
+    def _echo_prefix(self, greq: GenerationRequest) -> str:
+        if not greq.echo:
+            return ""
+        if greq.prompt_text is not None:
+            return greq.prompt_text
+        return self.info.tokenizer.decode(greq.prompt_token_ids)
+
+    async def _full(self, gen, builder: ResponseBuilder, echo: str, request: Request) -> Response:
+        async def run():
+            async with aclosing(gen):
+                async for recs in gen:
+                    for rec in recs:
+                        builder.add(rec)
+
+        task = asyncio.ensure_future(run())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():  # the client went away (or we were cancelled): abort via the generator
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            return Response(status_code=499)
+        task.result()
+        if builder.finish_reason == "error":
+            if builder.rejected:
+                raise APIError(400, builder.error or "request refused", "kv_transfer_params")
+            raise APIError(500, f"the request failed: {builder.error or 'engine error'}")
+        logger.info("finished: %s, %d tokens", builder.finish_reason, len(builder.token_ids))
+        return JSONResponse(builder.full(echo))
+
+    async def _stream(self, gen, builder: ResponseBuilder, echo: str, first_recs=None):
+        async with aclosing(gen):
+            try:
+                first = builder.first_chunks(echo)
+                if first:
+                    yield first
+                if first_recs:  # what _first() read (usually just the engine's "accepted" marker)
+                    out = builder.chunks(first_recs)
+                    if out:
+                        yield out
+                async for recs in gen:
+                    out = builder.chunks(recs)
+                    if out:
+                        yield out
+                logger.info("finished: %s, %d tokens (stream)", builder.finish_reason, len(builder.token_ids))
+            except Exception:  # after the headers went out: an error event, then the end
+                logger.exception("stream failed")
+                yield sse({"error": {"message": "internal server error (see the server log)",
+                                     "type": "InternalServerError", "param": None, "code": 500}})
+            yield builder.final_chunks()

@@ -1,0 +1,374 @@
+"""The OpenAI-compatible server end to end: one `pdserve serve` subprocess on the tiny model for this module, driven
+with the official `openai` client and raw HTTP, checked against the offline `LLM` on the same greedy requests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve import SamplingParams
+from tests.server_harness import ServerProcess
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=512, max_num_seqs=64)
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class HTTPServer:"]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_tiny):
+    srv = ServerProcess(qwen3_tiny, "--enable-debug-routes", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--num-gpu-blocks-override", "512", "--max-num-seqs", "64", "--max-body-bytes", "65536",
+                        "--served-model-name", "tiny", "tiny-alias", api_key=API_KEY)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tiny):
+    from pdserve import LLM
+    return LLM(qwen3_tiny, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
+        yield c
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def metrics(http) -> dict:
+    text = http.get("/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(m: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in m.items() if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+
+
+def kv(http) -> dict:
+    r = http.get("/debug/kv")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ------------------------------------------------------------------ basics
+
+def test_health_version_models(server, http, client):
+    assert server.seen_503_before_ready or http.get("/health").status_code == 200
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "tiny-alias"]
+    assert set(kv(http)) >= {"total_blocks", "free_blocks", "used_blocks", "cached_blocks", "invariants_ok"}
+
+
+def test_completion_matches_offline(client, llm):
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0]
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == want.token_ids
+        assert c.text == want.text
+        assert c.finish_reason == want.finish_reason
+        assert r.usage.completion_tokens == len(want.token_ids)
+        assert r.usage.prompt_tokens == len(llm.get_tokenizer()(prompt).input_ids)
+
+
+def test_completion_stream_matches_offline(client, llm):
+    prompt = PROMPTS[0]
+    want = llm.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0]
+    stream = client.completions.create(model="tiny-alias", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
+    text, ids, usage, finish = "", [], None, None
+    for chunk in stream:
+        assert chunk.model == "tiny"
+        if chunk.choices:
+            text += chunk.choices[0].text
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert ids == want.token_ids and text == want.text and finish == want.finish_reason
+    assert usage.completion_tokens == len(want.token_ids)
+
+
+def test_token_id_prompt(client, llm):
+    ids_in = llm.get_tokenizer()("for i in range(10):").input_ids
+    want = llm.generate([ids_in], greedy(12), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model="tiny", prompt=ids_in, max_tokens=12, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+
+
+def test_chat_matches_offline(client, llm):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    want = llm.chat(msgs, greedy(16), use_tqdm=False)[0].outputs[0]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=16, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert r.choices[0].message.content == want.text
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_raw_sse_framing(server, http):
+    body = {"prompt": "x = 1", "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 5
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprobs_stop_seed(client):
+    r = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(t) >= 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
+    # a stop string taken from the greedy text ends the output before it
+    full = client.completions.create(model="tiny", prompt="import os", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    if stop.strip():
+        s = client.completions.create(model="tiny", prompt="import os", max_tokens=16, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True}).choices[0]
+        assert s.finish_reason == "stop" and stop not in s.text and full.startswith(s.text)
+    sampled = [client.completions.create(model="tiny", prompt="import os", max_tokens=8, temperature=1.0, seed=7,
+                                         extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1,
+                                                     "min_tokens": 2}).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+# ------------------------------------------------------------------ concurrency, disconnects, metrics
+
+def test_32_concurrent_streams(server):
+    async def one(ac, i):
+        n = 4 + i % 9
+        body = {"model": "tiny", "prompt": f"# request {i}\ndef f{i}(x):", "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        ids, usage, done = [], None, False
+        async with ac.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                obj = json.loads(line[6:])
+                if obj["choices"]:
+                    ids += obj["choices"][0].get("token_ids") or []
+                if obj.get("usage"):
+                    usage = obj["usage"]
+        return n, ids, usage, done
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+
+    for n, ids, usage, done in asyncio.run(main()):
+        assert done and len(ids) == n
+        assert usage["completion_tokens"] == n and usage["total_tokens"] == usage["prompt_tokens"] + n
+
+
+def test_disconnect_mid_stream_frees_blocks(server, http):
+    before = metrics(http)
+    body = {"prompt": "while True:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got >= 3:
+                    break
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        k = kv(http)
+        if k["used_blocks"] == 0:
+            break
+        time.sleep(0.05)
+    assert k["used_blocks"] == 0 and k["free_blocks"] == k["total_blocks"] and k["invariants_ok"], k
+    after = metrics(http)
+    assert total(after, "pdserve_request_success_total", finished_reason="abort") == \
+        total(before, "pdserve_request_success_total", finished_reason="abort") + 1
+    assert total(after, "pdserve_num_requests_running") == 0
+
+
+def test_metrics_move(client, http):
+    before = metrics(http)
+    client.completions.create(model="tiny", prompt="def g(y):", max_tokens=7, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = metrics(http)
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta("pdserve_generation_tokens_total") == 7
+    assert delta("pdserve_prompt_tokens_total") > 0
+    assert delta("pdserve_request_success_total", finished_reason="length") == 1
+    assert delta("pdserve_time_to_first_token_seconds_count") == 1
+    assert delta("pdserve_inter_token_latency_seconds_count") == 6
+    assert delta("pdserve_e2e_request_latency_seconds_count") == 1
+    assert delta("pdserve_request_time_per_output_token_seconds_count") == 1
+    assert delta("pdserve_cudagraph_steps_total") >= 7
+    assert delta("pdserve_cudagraph_steps_total", mode="FULL", reason="none") >= 5
+    assert total(after, "pdserve_cudagraph_info", device="cpu", captured="false") == 1
+    for name in ("pdserve_num_requests_waiting", "pdserve_kv_cache_usage_perc", "pdserve_num_preemptions_total",
+                 "pdserve_cudagraph_padded_tokens_total"):
+        assert any(n == name for n, _ in after), name
+
+
+def test_request_id_echoed_and_logged(server, http):
+    r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers={"X-Request-Id": "rid-xyz-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "rid-xyz-42"
+    assert r.json()["id"] == "cmpl-rid-xyz-42"
+    r2 = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert len(r2.headers["x-request-id"]) >= 16
+
+    async def same_id_twice():  # a request id already in flight still works: the engine gets a unique one
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as ac:
+            return await asyncio.gather(*(ac.post("/v1/completions", headers={"X-Request-Id": "dup-id"},
+                                                  json={"prompt": "b", "max_tokens": 8, "ignore_eos": True})
+                                          for _ in range(2)))
+
+    rs = asyncio.run(same_id_twice())
+    assert [r.status_code for r in rs] == [200, 200] and all(r.headers["x-request-id"] == "dup-id" for r in rs)
+    assert len({r.json()["id"] for r in rs}) == 2
+    time.sleep(0.2)
+    lines = [ln for ln in server.log().splitlines() if "[rid-xyz-42]" in ln]
+    assert any("completion request" in ln for ln in lines) and any("POST /v1/completions 200" in ln for ln in lines)
+
+
+# ------------------------------------------------------------------ errors
+
+LONG_IDS = list(range(10, 110))  # 100 prompt tokens
+ERROR_CASES = [
+    # (id, path, body (bytes: sent raw), status, words the message must contain, param)
+    ("bad-json", "/v1/completions", b'{"prompt": "x",', 400, ["not valid JSON"], None),
+    ("not-object", "/v1/completions", b'["prompt"]', 400, ["JSON object"], None),
+    ("wrong-type", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, ["max_tokens", "integer"],
+     "max_tokens"),
+    ("wrong-type-bool", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+     400, ["stream"], "stream"),
+    ("float-for-int", "/v1/completions", {"prompt": "x", "seed": 1.5}, 400, ["seed"], "seed"),
+    ("out-of-range-logprobs", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, ["logprobs", "20"],
+     "logprobs"),
+    ("out-of-range-top-logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, 400, ["top_logprobs"],
+     "top_logprobs"),
+    ("temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature"], "temperature"),
+    ("top_p", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, ["top_p"], "top_p"),
+    ("min_p", "/v1/completions", {"prompt": "x", "min_p": 2}, 400, ["min_p"], "min_p"),
+    ("rep-penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, ["repetition_penalty"],
+     "repetition_penalty"),
+    ("max_tokens-zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
+    ("n", "/v1/completions", {"prompt": "x", "n": 2}, 400, ["n must be 1"], "n"),
+    ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 2, 999999]}, 400, ["999999", "vocabulary"], "prompt"),
+    ("token-negative", "/v1/completions", {"prompt": [5, -1]}, 400, ["-1", "vocabulary"], "prompt"),
+    ("kv-transfer-params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,
+     ["kv_transfer_params", "connector"], "kv_transfer_params"),
+    ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, ["gpt-4", "does not exist"],
+     "model"),
+    ("over-context", "/v1/completions", {"prompt": LONG_IDS, "max_tokens": 450}, 400,
+     ["100", "450", str(MAX_MODEL_LEN)], "max_tokens"),
+    ("over-context-chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600}, 400,
+     ["600", str(MAX_MODEL_LEN)], "max_completion_tokens"),
+    ("prompt-too-long", "/v1/completions", {"prompt": list(range(5, 600))}, 400, ["595", str(MAX_MODEL_LEN)],
+     "prompt"),
+    ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, ["empty"], "prompt"),
+    ("no-messages", "/v1/chat/completions", {"model": "tiny"}, 400, ["messages"], "messages"),
+    ("bad-message", "/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, ["messages[0]"], "messages[0]"),
+    ("image-part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     ["text"], "messages[0].content"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tool"],
+     "tools"),
+    ("oversized-body", "/v1/completions", {"prompt": "x" * 70000}, 413, ["65536"], None),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_error_cases(server, http, case):
+    _, path, body, status, words, param = case
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = http.post(path, timeout=10, headers={"Content-Type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"} and err["code"] == status
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    if param is not None:
+        assert err["param"] == param
+    assert "Traceback" not in r.text and r.headers.get("x-request-id")
+
+
+def test_auth_routes_and_unknown_fields(server, http):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=10,
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # not behind the key
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
+        r = http.request(method, path, timeout=10)
+        assert r.status_code == status and r.json()["error"]["code"] == status
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": 1, "zzz_extra": "a"},
+                  headers={"X-Request-Id": "rid-unknown-fields"}, timeout=30)
+    assert r.status_code == 200
+    time.sleep(0.2)
+    assert any("[rid-unknown-fields]" in ln and "frobnicate, zzz_extra" in ln for ln in server.log().splitlines())
+
+
+def test_bad_request_does_not_disturb_others(server, http):
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as ac:
+            good = [ac.post("/v1/completions", json={"prompt": f"x{i}", "max_tokens": 6, "ignore_eos": True})
+                    for i in range(4)]
+            bad = [ac.post("/v1/completions", json={"prompt": [999999]}),
+                   ac.post("/v1/completions", content=b"{oops")]
+            return await asyncio.gather(*good, *bad)
+
+    rs = asyncio.run(main())
+    assert [r.status_code for r in rs] == [200] * 4 + [400, 400]
+    assert all(r.json()["usage"]["completion_tokens"] == 6 for r in rs[:4])
+    assert kv(http)["invariants_ok"]

@@ -1,0 +1,95 @@
+"""Server life cycle: admission control (--max-waiting -> 503), graceful shutdown on SIGTERM with a request in flight
+(aborted cleanly after --shutdown-timeout, exit 0, nothing left running), and the process engine backend on SIGINT."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, group_alive
+
+
+def _stream_lines(client: httpx.Client, body: dict, first_event: threading.Event, sink: list) -> None:
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        sink.append(r.status_code)
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                sink.append(line[6:])
+                first_event.set()
+    first_event.set()
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_tiny):
+    srv = ServerProcess(qwen3_tiny, "--enable-debug-routes", "--max-num-seqs", "1", "--max-waiting", "1",
+                        "--shutdown-timeout", "2", "--max-model-len", "1024", "--num-gpu-blocks-override", "256")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+def test_max_waiting_then_sigterm(server):
+    long = {"prompt": "while True:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        a_first, a_lines = threading.Event(), []
+        ta = threading.Thread(target=_stream_lines, args=(c, long, a_first, a_lines), daemon=True)
+        ta.start()
+        assert a_first.wait(30) and a_lines[0] == 200  # A is running: it holds the only seat
+        b_first, b_lines = threading.Event(), []
+        tb = threading.Thread(target=_stream_lines, args=(c, {**long, "max_tokens": 5}, b_first, b_lines),
+                              daemon=True)
+        tb.start()
+        deadline = time.monotonic() + 10
+        while not b_lines and time.monotonic() < deadline:  # B's headers: it is queued behind A
+            time.sleep(0.02)
+        time.sleep(0.3)
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+        assert "max-waiting" in r.json()["error"]["message"] and r.json()["error"]["code"] == 503
+
+        # SIGTERM with A (and B behind it) in flight: health goes away, A is aborted after --shutdown-timeout
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        ta.join(30)
+        tb.join(30)
+        assert not ta.is_alive() and not tb.is_alive()
+        assert a_lines[-1] == "[DONE]"
+        finals = [json.loads(x)["choices"][0]["finish_reason"] for x in a_lines[1:-1] if json.loads(x)["choices"]]
+        assert finals[-1] == "abort"
+        assert b_lines[-1] == "[DONE]"
+        assert time.monotonic() - t0 < 20
+    assert server.proc.wait(30) == 0
+    deadline = time.monotonic() + 5
+    while group_alive(server.pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(server.pgid), "a process of the server is still running"
+    log = server.log()
+    assert "draining" in log and "shut down cleanly" in log and "Traceback" not in log
+
+
+def test_process_backend_sigint(qwen3_tiny):
+    srv = ServerProcess(qwen3_tiny, "--engine-backend", "process", "--enable-debug-routes",
+                        "--max-model-len", "512", "--num-gpu-blocks-override", "128")
+    try:
+        srv.wait_healthy()
+        assert srv.seen_503_before_ready  # the socket opens before the engine process is up: /health said 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "import os", "max_tokens": 5, "temperature": 0,
+                                                          "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        k = httpx.get(srv.url + "/debug/kv", timeout=10).json()
+        assert k["used_blocks"] == 0 and k["invariants_ok"]
+        m = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "pdserve_cudagraph_steps_total" in m
+        assert srv.stop(signal.SIGINT, timeout=30) == 0
+        deadline = time.monotonic() + 5
+        while group_alive(srv.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(srv.pgid), "the engine process outlived the server"
+    finally:
+        srv.cleanup()

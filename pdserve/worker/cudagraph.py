@@ -2,10 +2,10 @@
 
 On CUDA each callable is captured once at start-up into a `torch.cuda.CUDAGraph` (largest first, one shared memory
 pool) and replayed per step. On CPU nothing can be captured: the same callable runs eagerly on the same buffers.
-Its attention reads a fixed block-table width: the whole table on CUDA (a graph's shapes are frozen), and on CPU
-the batch's widest row rounded up to a multiple of 4 blocks, so an eager FULL step does not pay for
-max_model_len keys per row (the K/V gather is most of a CPU decode step); each (descriptor, width) callable still
-has fixed shapes.
+Its attention reads fixed block-table widths: the whole table on CUDA (a graph's shapes are frozen); on CPU the
+rows, laid out by context width, form up to 4 groups, each attending through its widest row rounded up to 4
+blocks, so an eager FULL step does not pay for max_model_len keys per row (the K/V gather is most of a CPU decode
+step). Each (descriptor, layout) callable still has fixed shapes.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from pdserve.worker.attention import AttentionMetadata, AttnGroup
+from pdserve.worker.attention import AttentionMetadata
 from pdserve.worker.cudagraph_dispatch import BatchDescriptor
-from pdserve.worker.input_batch import InputBuffers
+from pdserve.worker.input_batch import InputBuffers, width_groups
 
 logger = logging.getLogger("pdserve.cudagraph")
 
@@ -31,18 +31,19 @@ class FullGraphRunner:
         self.graphs: dict[BatchDescriptor, "torch.cuda.CUDAGraph"] = {}
         self.pool = None
 
-    def width_for(self, max_row_blocks: int) -> int:
+    def layout_for(self, desc: BatchDescriptor, row_blocks: list[int]) -> tuple:
+        """Attention groups ((first row, end row, width), ...) over the descriptor's padded rows, `row_blocks` being
+        the real rows' context widths in layout order (ascending)."""
         full = self.buffers.max_blocks
         if self.device.type == "cuda":
-            return full
-        return min(-(-max_row_blocks // 4) * 4, full)
+            return ((0, desc.num_reqs, full),)
+        return width_groups(row_blocks, desc.num_reqs, round_to=4)
 
-    def step_callable(self, desc: BatchDescriptor, width: int) -> Callable[[], torch.Tensor]:
-        key = (desc, width)
+    def step_callable(self, desc: BatchDescriptor, layout: tuple) -> Callable[[], torch.Tensor]:
+        key = (desc, layout)
         if key not in self._steps:
-            b, t, r = self.buffers, desc.num_tokens, desc.num_reqs
-            meta = AttentionMetadata(b.slot_mapping[:t], [AttnGroup(slice(0, t), b.block_table[:r, :width],
-                                                                    b.positions[:t].view(r, desc.uniform_query_len))])
+            b, t = self.buffers, desc.num_tokens
+            meta = AttentionMetadata(b.slot_mapping[:t], b.uniform_groups(layout, desc.uniform_query_len))
             input_ids, positions, out = b.input_ids[:t], b.positions[:t], self.out[:t]
             model = self.model
 
@@ -54,19 +55,18 @@ class FullGraphRunner:
         return self._steps[key]
 
     @torch.inference_mode()
-    def run(self, desc: BatchDescriptor, width: int) -> torch.Tensor:
+    def run(self, desc: BatchDescriptor, layout: tuple) -> torch.Tensor:
         graph = self.graphs.get(desc)
         if graph is not None:
             graph.replay()
             return self.out[:desc.num_tokens]
-        return self.step_callable(desc, width)()
+        return self.step_callable(desc, layout)()
 
     @torch.inference_mode()
     def capture(self, descriptors: list[BatchDescriptor], progress: bool = True) -> None:
         """CUDA only: capture every FULL descriptor, largest first so smaller graphs reuse the pool's memory."""
         if self.device.type != "cuda" or not descriptors:
             return
-        width = self.buffers.max_blocks
         self.pool = torch.cuda.graph_pool_handle()
         order = sorted(descriptors, key=lambda d: d.num_tokens, reverse=True)
         bar = None
@@ -77,7 +77,7 @@ class FullGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for desc in (bar or order):
-                step = self.step_callable(desc, width)
+                step = self.step_callable(desc, self.layout_for(desc, []))
                 step()  # warm-up outside capture: lazy initialisation must not be recorded
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):

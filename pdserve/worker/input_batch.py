@@ -27,6 +27,25 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # their last-token index in the flattened batch
 
 
+def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int = 4, round_to: int = 1
+                 ) -> tuple[tuple[int, int, int], ...]:
+    """Split rows sorted by context width into up to `max_groups` contiguous groups of near-equal size, each
+    attending through its own widest row (rounded up to `round_to` blocks). The K/V gather is most of a CPU decode
+    step, and one width for all rows makes every short row pay for the longest. Rows past len(widths) (padding)
+    join the last group."""
+    n = len(widths)
+    k = max(1, min(max_groups, n))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    out = []
+    for i in range(k):
+        r0, r1 = bounds[i], bounds[i + 1]
+        if r1 > r0:
+            w = max(widths[r0:r1])
+            out.append([r0, r1, -(-w // round_to) * round_to])
+    out[-1][1] = num_rows or n
+    return tuple(tuple(g) for g in out)
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, block_size: int,
                  device: torch.device):
@@ -54,13 +73,15 @@ class InputBuffers:
             self.dev[n] for n in names)
 
     def prepare(self, rows, blocks_of, num_tokens_padded: int | None = None, num_reqs_padded: int | None = None,
-                full_width: int | None = None) -> PreparedBatch:
+                layout: tuple | None = None) -> PreparedBatch:
         """Fill the buffers for `rows` (ScheduledRow). Padded tokens and rows point at the null block, so they
-        write and read only it. `full_width` (FULL steps) makes one uniform group over the padded rows that attends
-        through that many block-table columns; otherwise each group attends through its widest row's blocks and
-        padded tokens belong to no group."""
+        write and read only it. `layout` (FULL steps: ((first row, end row, width), ...) over the padded rows)
+        fixes the attention groups; otherwise rows are grouped by query length and context width, and padded
+        tokens belong to no group."""
         bs = self.block_size
-        order = sorted(range(len(rows)), key=lambda i: rows[i].num_scheduled_tokens != 1)
+        # Decode rows first; rows of one query length by context width, so width groups are contiguous.
+        order = sorted(range(len(rows)), key=lambda i: (rows[i].num_scheduled_tokens != 1, rows[i].num_scheduled_tokens,
+                                                        rows[i].num_computed_tokens))
         ids, pos, slots, table = self.np_input_ids, self.np_positions, self.np_slots, self.np_block_table
         t = 0
         starts, widths, logits_rows, logits_idx = [], [], [], []
@@ -91,32 +112,27 @@ class InputBuffers:
         ids[t:tp] = 0
         pos[t:tp] = 0
         slots[t:tp] = NULL_BLOCK * bs
-        width = full_width or max(widths, default=1)
+        width = max(w for _, _, w in layout) if layout else max(widths, default=1)
         table[:num_reqs, :width][np.arange(width)[None, :] >= np.asarray(widths)[:, None]] = NULL_BLOCK
         table[num_reqs:rp, :width] = NULL_BLOCK
         self.np_logits_idx[:len(logits_idx)] = logits_idx
         self._to_device(tp, rp, len(logits_idx))
-        if full_width:
-            qlen = tp // rp
-            groups = [AttnGroup(slice(0, tp), self.block_table[:rp, :width], self.positions[:tp].view(rp, qlen))]
+        if layout:
+            groups = self.uniform_groups(layout, tp // rp)
         else:
             groups = self._groups(rows, order, starts, widths, t)
         meta = AttentionMetadata(self.slot_mapping[:tp], groups)
         return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)])
 
+    def uniform_groups(self, layout, qlen: int) -> list[AttnGroup]:
+        return [AttnGroup(slice(r0 * qlen, r1 * qlen), self.block_table[r0:r1, :w],
+                          self.positions[r0 * qlen:r1 * qlen].view(r1 - r0, qlen)) for r0, r1, w in layout]
+
     def _groups(self, rows, order, starts, widths, num_tokens) -> list[AttnGroup]:
         qlens = [rows[i].num_scheduled_tokens for i in order]
-        if len(set(qlens)) == 1:  # uniform batch: one group
-            n = len(order)
-            return [AttnGroup(slice(0, num_tokens), self.block_table[:n, :max(widths)],
-                              self.positions[:num_tokens].view(n, qlens[0]))]
-        n_dec = qlens.count(1)
-        groups = []
-        if n_dec:
-            w = max(widths[:n_dec])
-            groups.append(AttnGroup(slice(0, n_dec), self.block_table[:n_dec, :w],
-                                    self.positions[:n_dec].view(n_dec, 1)))
-        for r in range(n_dec, len(order)):
+        n_uniform = len(order) if len(set(qlens)) == 1 else qlens.count(1)
+        groups = self.uniform_groups(width_groups(widths[:n_uniform]), qlens[0]) if n_uniform else []
+        for r in range(n_uniform, len(order)):
             s, n = starts[r], qlens[r]
             groups.append(AttnGroup(slice(s, s + n), self.block_table[r:r + 1, :widths[r]],
                                     self.positions[s:s + n].view(1, n)))

@@ -105,10 +105,11 @@ class ModelRunner:
     def execute(self, rows, blocks_of) -> StepResult:
         mode, desc, reason, num_tokens = self.choose_graph(rows)
         if mode == CUDAGraphMode.FULL:
-            widest = max(cdiv(r.num_computed_tokens + r.num_scheduled_tokens, self.block_size) for r in rows)
-            width = self.full_graphs.width_for(widest)
-            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs, full_width=width)
-            hidden = self.full_graphs.run(desc, width)[batch.logits_indices]
+            bs = self.block_size
+            blocks = sorted(cdiv(r.num_computed_tokens + r.num_scheduled_tokens, bs) for r in rows)
+            layout = self.full_graphs.layout_for(desc, blocks)
+            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs, layout=layout)
+            hidden = self.full_graphs.run(desc, layout)[batch.logits_indices]
         else:
             # PIECEWISE pads the token count to its captured size; its graphs are not captured yet, so the
             # padded step runs eagerly.

@@ -110,6 +110,7 @@ def test_full_step_has_no_graph_break_and_stable_buffers(qwen3_tiny):
     e = llm.engine
     runner = e.runner
     ptrs = {n: t.data_ptr() for n, t in runner.buffers.dev.items()}
+    out_ptr = runner.full_graphs.out.data_ptr()
     for i in range(5):
         e.add_prefilled_request(prompt(i, 33), greedy(6), request_id=f"c{i}")
     e.step()
@@ -125,7 +126,8 @@ def test_full_step_has_no_graph_break_and_stable_buffers(qwen3_tiny):
     assert torch.equal(got, expected)
     finish_all(llm)
     assert {n: t.data_ptr() for n, t in runner.buffers.dev.items()} == ptrs
-    assert runner.full_graphs.out.data_ptr() == runner.full_graphs.out.data_ptr()
+    assert runner.full_graphs.out.data_ptr() == out_ptr
+    assert step().data_ptr() == out_ptr  # the step writes its result into the static output buffer
 
 
 @pytest.mark.parametrize("extra,full", [(1, True), (0, False)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -138,7 +139,6 @@ class KVTransferConfig:
                              "without kv_auth_token (or PDSERVE_KV_TOKEN)")
 
     def auth_token(self) -> str:
-        import os
         return self.kv_auth_token or os.environ.get("PDSERVE_KV_TOKEN", "")
 
     @property

@@ -11,15 +11,10 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.proof import sign_params
+from tests.server_harness import free_port
 
 ENGINE = dict(max_model_len=512, kv_cache_memory_gb=0.05)
 PROMPTS = ["def fibonacci(n):\n" * k for k in (1, 3, 9, 20)] + ["x", "import os\nimport sys\n"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def producer(model, port, **kv):

@@ -25,6 +25,7 @@ class PreparedBatch:
     meta: AttentionMetadata
     logits_rows: list[int]  # laid-out rows that sample, in layout order
     logits_indices: torch.Tensor  # their last-token index in the flattened batch
+    layout: tuple | None = None  # FULL steps: the attention groups the buffers were filled for
 
 
 def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int = 4, round_to: int = 1
@@ -73,10 +74,10 @@ class InputBuffers:
             self.dev[n] for n in names)
 
     def prepare(self, rows, blocks_of, num_tokens_padded: int | None = None, num_reqs_padded: int | None = None,
-                layout: tuple | None = None) -> PreparedBatch:
+                layout_fn=None) -> PreparedBatch:
         """Fill the buffers for `rows` (ScheduledRow). Padded tokens and rows point at the null block, so they
-        write and read only it. `layout` (FULL steps: ((first row, end row, width), ...) over the padded rows)
-        fixes the attention groups; otherwise rows are grouped by query length and context width, and padded
+        write and read only it. `layout_fn` (FULL steps) maps the rows' context widths, in layout order, to the
+        attention groups ((first row, end row, width), ...) over the padded rows; otherwise rows are grouped by query length and context width, and padded
         tokens belong to no group."""
         bs = self.block_size
         # Decode rows first; rows of one query length by context width, so width groups are contiguous.
@@ -112,6 +113,7 @@ class InputBuffers:
         ids[t:tp] = 0
         pos[t:tp] = 0
         slots[t:tp] = NULL_BLOCK * bs
+        layout = layout_fn(widths) if layout_fn else None
         width = max(w for _, _, w in layout) if layout else max(widths, default=1)
         table[:num_reqs, :width][np.arange(width)[None, :] >= np.asarray(widths)[:, None]] = NULL_BLOCK
         table[num_reqs:rp, :width] = NULL_BLOCK
@@ -122,7 +124,7 @@ class InputBuffers:
         else:
             groups = self._groups(rows, order, starts, widths, t)
         meta = AttentionMetadata(self.slot_mapping[:tp], groups)
-        return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)])
+        return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)], layout)
 
     def uniform_groups(self, layout, qlen: int) -> list[AttnGroup]:
         return [AttnGroup(slice(r0 * qlen, r1 * qlen), self.block_table[r0:r1, :w],

@@ -105,11 +105,9 @@ class ModelRunner:
     def execute(self, rows, blocks_of) -> StepResult:
         mode, desc, reason, num_tokens = self.choose_graph(rows)
         if mode == CUDAGraphMode.FULL:
-            bs = self.block_size
-            blocks = sorted(cdiv(r.num_computed_tokens + r.num_scheduled_tokens, bs) for r in rows)
-            layout = self.full_graphs.layout_for(desc, blocks)
-            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs, layout=layout)
-            hidden = self.full_graphs.run(desc, layout)[batch.logits_indices]
+            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs,
+                                         layout_fn=lambda widths: self.full_graphs.layout_for(desc, widths))
+            hidden = self.full_graphs.run(desc, batch.layout)[batch.logits_indices]
         else:
             # PIECEWISE pads the token count to its captured size; its graphs are not captured yet, so the
             # padded step runs eagerly.

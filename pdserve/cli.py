@@ -1,4 +1,4 @@
-"""`pdserve` command line: make-model | generate | serve | router."""
+"""`pdserve` command line: make-model | generate | serve | router | bench serve | bench pd."""
 from __future__ import annotations
 
 import argparse
@@ -90,6 +90,33 @@ def cmd_router(args) -> int:
     return run_router(args)
 
 
+def _bench_parser(sub) -> None:
+    from pdserve.bench.pd import add_bench_pd_args
+    from pdserve.bench.serve import add_bench_serve_args
+    p = sub.add_parser("bench", help="Benchmark a serving endpoint (serve) or the P/D experiment end to end (pd).",
+                       description="Serving benchmarks with vLLM's metric definitions.")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_args(bench.add_parser(
+        "serve", help="Load an OpenAI-compatible endpoint and report TTFT, TPOT, ITL, E2EL and throughput.",
+        description="Load an OpenAI-compatible endpoint (pdserve, its router, or vLLM) with a random or jsonl "
+                    "dataset at a request rate, and report vLLM's serving metrics; with a pdserve target, also the "
+                    "run's share of non-FULL decode-graph steps."))
+    add_bench_pd_args(bench.add_parser(
+        "pd", help="Launch collocated and 1P1D deployments on loopback, sweep request rates, print the table.",
+        description="The seed's experiment: launch each arm (collocated; 1P1D with the strict rule; 1P1D with the "
+                    "default rule; ...) on loopback, run `bench serve` at each rate, tear down, and print the "
+                    "before/after table with JSON results and PNG plots."))
+
+
+def cmd_bench(args) -> int:
+    if args.bench_command == "serve":
+        from pdserve.bench.serve import run_bench_serve
+        result = run_bench_serve(args)
+        return 0 if result["failed"] == 0 else 1
+    from pdserve.bench.pd import run_bench_pd
+    return run_bench_pd(args)
+
+
 def cmd_make_model(args) -> int:
     from pdserve.model.make_model import default_model_dir, is_complete, make_model
     out = Path(args.out) if args.out else default_model_dir(args.arch, args.size, args.seed)
@@ -137,12 +164,15 @@ def main(argv=None) -> int:
     _generate_parser(sub)
     _serve_parser(sub)
     _router_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
-    handlers = {"make-model": cmd_make_model, "generate": cmd_generate, "serve": cmd_serve, "router": cmd_router}
+    handlers = {"make-model": cmd_make_model, "generate": cmd_generate, "serve": cmd_serve, "router": cmd_router,
+                "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.exit(2, f"pdserve {args.command}: error: {e}\n")
+        name = args.command + (f" {args.bench_command}" if args.command == "bench" else "")
+        parser.exit(2, f"pdserve {name}: error: {e}\n")
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,1 @@
+"""`pdserve bench`: `serve` drives any OpenAI-compatible endpoint; `pd` runs the seed's before/after experiment."""

@@ -1,0 +1,24 @@
+"""Request arrival times: gamma-distributed gaps, vLLM's model (burstiness 1 is a Poisson process)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds from the start at which each of `n` requests is sent.
+
+    The gaps have mean 1/rate whatever the burstiness: shape = burstiness, scale = 1/(rate * burstiness); lower
+    burstiness means burstier traffic. rate = inf sends everything at once."""
+    if n <= 0:
+        return []
+    if burstiness <= 0:
+        raise ValueError("--burstiness must be > 0")
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError("--request-rate must be > 0 (or inf)")
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0  # the first request goes at once: the run's duration then measures n-1 gaps
+    return np.cumsum(gaps).tolist()

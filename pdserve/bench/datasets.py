@@ -1,0 +1,65 @@
+"""Benchmark prompts: `random` (token ids decoded with the model's tokenizer, as vLLM does) or `jsonl` (a file)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def _lengths(rng, n: int, mean: int, ratio: float) -> np.ndarray:
+    if not 0 <= ratio < 1:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return rng.integers(lo, hi + 1, size=n)
+
+
+def random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                   seed: int = 0) -> list[SampleRequest]:
+    """Prompts of ~input_len tokens drawn uniformly from the vocabulary (special tokens excluded), each a distinct
+    sequence. Decoding then re-encoding can merge tokens, so the text is re-encoded, cut to its target length and
+    decoded again; prompt_len is the length of that final text's encoding."""
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--random-input-len and --random-output-len must be >= 1")
+    rng = np.random.default_rng(seed)
+    in_lens, out_lens = _lengths(rng, num_prompts, input_len, range_ratio), _lengths(rng, num_prompts, output_len,
+                                                                                       range_ratio)
+    special = set(tokenizer.all_special_ids)
+    vocab = np.array([i for i in range(len(tokenizer)) if i not in special])
+    samples = []
+    for i in range(num_prompts):
+        ids = vocab[rng.integers(0, len(vocab), size=int(in_lens[i]))].tolist()
+        ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[: int(in_lens[i])]
+        text = tokenizer.decode(ids)
+        samples.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), int(out_lens[i])))
+    return samples
+
+
+def jsonl_dataset(path: str, num_prompts: int, output_len: int, tokenizer=None) -> list[SampleRequest]:
+    """One JSON object per line with a `prompt` (or `text`) string and optionally `output_len`; cycled up to
+    num_prompts. Without a tokenizer prompt_len is 0 (input-token throughput is then not reported)."""
+    rows = []
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                prompt = obj["prompt"] if "prompt" in obj else obj["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"--dataset-path {path}:{lineno}: expected a JSON object with 'prompt' ({e})")
+            if not isinstance(prompt, str):
+                raise ValueError(f"--dataset-path {path}:{lineno}: 'prompt' must be a string")
+            n = len(tokenizer.encode(prompt, add_special_tokens=False)) if tokenizer is not None else 0
+            rows.append(SampleRequest(prompt, n, int(obj.get("output_len", output_len))))
+    if not rows:
+        raise ValueError(f"--dataset-path {path}: no prompts")
+    return [rows[i % len(rows)] for i in range(num_prompts)]

@@ -1,0 +1,126 @@
+"""Deployments on loopback for `bench pd`: a collocated server, or router + 1 P + 1 D, as child processes.
+
+Each child leads its own process group (teardown ends it and anything it started by group id) and, on Linux, gets
+SIGTERM if the orchestrator dies without cleaning up (PR_SET_PDEATHSIG): children never outlive the bench.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the orchestrator's finally/atexit teardown still runs
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+
+@dataclass
+class Deployment:
+    arm: str
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+    url: str = ""
+
+    def spawn(self, name: str, args: list[str], port: int, env: dict) -> str:
+        log_path = self.log_dir / f"{self.arm}-{name}.log"
+        cmd = [sys.executable, "-m", "pdserve.cli", *args, "--port", str(port)]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+        url = f"http://127.0.0.1:{port}"
+        self.children.append(Child(name, url, proc, log_path))
+        return url
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.children)
+        while pending:
+            for c in list(pending):
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{self.arm}: {c.name} exited with {c.proc.returncode}:\n{c.log_tail()}")
+                try:
+                    if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
+                        pending.remove(c)
+                except httpx.TransportError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.arm}: {pending[0].name} not healthy after {timeout:.0f} s "
+                                   f"(log: {pending[0].log_path})")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 20.0) -> list[str]:
+        """SIGTERM every child (routers first, so nodes drain idle), then SIGKILL what is left; returns the names of
+        children whose process group had to be killed."""
+        killed = []
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in reversed(self.children):
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            if group_alive(c.proc.pid):
+                killed.append(c.name)
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(10)
+        return killed
+
+
+def launch(arm: str, model: str, log_dir: Path, server_args: list[str], token: str) -> Deployment:
+    """`collocated`, or a 1P1D arm named by D's full-graph rule (`strict`, `default`, `prompt-tail`, ...)."""
+    dep = Deployment(arm, log_dir)
+    env = {"PDSERVE_KV_TOKEN": token}  # via the environment: never on a command line others can read
+    serve = ["serve", model, *server_args]
+    if arm == "collocated":
+        dep.url = dep.spawn("server", serve, free_port(), env)
+        return dep
+    kv_port = free_port()
+    producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
+    consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
+    rule = [] if arm == "default" else ["--full-graph-rule", arm]
+    p = dep.spawn("prefill", [*serve, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
+    d = dep.spawn("decode", [*serve, *rule, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
+    dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--log-level", "warning"], free_port(),
+                        env)
+    return dep

@@ -1,0 +1,126 @@
+"""Serving metrics with vLLM's definitions, from per-request timestamps.
+
+TTFT: send -> first chunk carrying content. TPOT: (E2EL - TTFT) / (output tokens - 1), per request, for requests
+with more than one token. ITL: every gap between consecutive content chunks, pooled over requests. E2EL: send ->
+end of the response. A request is good (goodput) when it meets every SLO given.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: str = ""
+    generated_text: str = ""
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
+    """`ttft:MS tpot:MS e2el:MS` -> SLOs in seconds."""
+    slos = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in SLO_METRICS:
+            raise ValueError(f"--goodput: unknown metric {name!r} (use {', '.join(SLO_METRICS)})")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {item!r} is not NAME:MILLISECONDS") from None
+        if ms <= 0:
+            raise ValueError(f"--goodput: {item!r}: the SLO must be > 0 ms")
+        slos[name] = ms / 1000.0
+    return slos
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """mean, median, p90, p99 (linear interpolation, numpy's default, as vLLM) and std, in milliseconds."""
+    if not values:  # nothing measured: NaN, never a zero that reads as a latency
+        return dict.fromkeys(("mean", "median", "std", *(f"p{p}" for p in PERCENTILES if p != 50)), float("nan"))
+    a = np.asarray(values, dtype=float) * 1000.0
+    out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
+    out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES if p != 50})
+    return out
+
+
+def is_good(r: RequestResult, slos: dict[str, float]) -> bool:
+    tpot = r.tpot if r.tpot is not None else 0.0
+    measured = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}
+    return r.success and all(measured[k] <= v for k, v in slos.items())
+
+
+@dataclass
+class BenchmarkMetrics:
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    request_goodput: Optional[float]
+    ttft_ms: dict
+    tpot_ms: dict
+    itl_ms: dict
+    e2el_ms: dict
+    errors: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float,
+                    slos: Optional[dict[str, float]] = None) -> BenchmarkMetrics:
+    ok = [r for r in results if r.success]
+    n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
+    dur = max(duration_s, 1e-9)
+    errors = sorted({r.error for r in results if not r.success})
+    return BenchmarkMetrics(
+        completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
+        total_input_tokens=n_in, total_output_tokens=n_out,
+        request_throughput=len(ok) / dur, output_throughput=n_out / dur, total_token_throughput=(n_in + n_out) / dur,
+        request_goodput=sum(is_good(r, slos) for r in ok) / dur if slos else None,
+        ttft_ms=summarize([r.ttft for r in ok]),
+        tpot_ms=summarize([r.tpot for r in ok if r.tpot is not None]),
+        itl_ms=summarize([gap for r in ok for gap in r.itl]),
+        e2el_ms=summarize([r.latency for r in ok]),
+        errors=errors[:10])
+
+
+def format_metrics(m: BenchmarkMetrics, title: str = "Serving Benchmark Result") -> str:
+    rows = [("Successful requests:", m.completed), ("Failed requests:", m.failed),
+            ("Benchmark duration (s):", f"{m.duration_s:.2f}"), ("Total input tokens:", m.total_input_tokens),
+            ("Total generated tokens:", m.total_output_tokens),
+            ("Request throughput (req/s):", f"{m.request_throughput:.2f}")]
+    if m.request_goodput is not None:
+        rows.append(("Request goodput (req/s):", f"{m.request_goodput:.2f}"))
+    rows += [("Output token throughput (tok/s):", f"{m.output_throughput:.2f}"),
+             ("Total token throughput (tok/s):", f"{m.total_token_throughput:.2f}")]
+    lines = [f"{f' {title} ':=^60}"] + [f"{k:<44}{v:>16}" for k, v in rows]
+    for name, label, stats in (("TTFT", "Time to First Token", m.ttft_ms), ("TPOT", "Time per Output Token (excl. "
+                               "1st token)", m.tpot_ms), ("ITL", "Inter-token Latency", m.itl_ms),
+                               ("E2EL", "End-to-end Latency", m.e2el_ms)):
+        lines.append(f"{label:-^60}")
+        lines += [f"{f'{k.capitalize()} {name} (ms):':<44}{stats[k]:>16.2f}" for k in ("mean", "median", "p90", "p99")]
+    for e in m.errors:
+        lines.append(f"error: {e}")
+    lines.append("=" * 60)
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""`pdserve bench pd`: the seed's experiment end to end on loopback.
+
+1. the model: `--model DIR`, or the tiny model, built once under $PDSERVE_HOME if missing;
+2. for each arm (`collocated`; 1P1D whose D uses `--full-graph-rule strict`; 1P1D with the default rule; more by
+   `--arms`): launch its processes, wait for /health, run one warm-up, then `bench serve` at every rate of the sweep;
+3. tear the arm down before the next one, so arms never share the CPU or GPU;
+4. print the table (ISL/OSL, rate, arm, non-FULL share, mean/p99 TPOT, p99 ITL, median TTFT), write every run's JSON,
+   a summary JSON and a PNG plot to `--result-dir`.
+Children are killed on every exit path: normal end, an error, Ctrl-C, SIGTERM, and (Linux) the bench's own death.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import signal
+import time
+from pathlib import Path
+
+from pdserve.bench.launcher import launch
+from pdserve.bench.report import format_table, plot
+from pdserve.bench.serve import add_bench_serve_args, run_bench_serve
+
+ARMS = ("collocated", "strict", "default", "prompt-tail")
+
+
+def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Local model directory (default: the tiny model under "
+                                                  "$PDSERVE_HOME, built if missing).")
+    p.add_argument("--arms", default="collocated,strict,default",
+                   help="Comma-separated arms: collocated, or a 1P1D deployment named by its decode node's "
+                        f"--full-graph-rule ({', '.join(ARMS[1:])}); 'default' is the default rule "
+                        "(default: collocated,strict,default).")
+    p.add_argument("--rates", default="1,2,4,8", help="Comma-separated request rates in req/s (default: 1,2,4,8).")
+    p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate and arm (default: 64).")
+    p.add_argument("--random-input-len", type=int, default=256, help="Mean prompt tokens (default: 256).")
+    p.add_argument("--random-output-len", type=int, default=64, help="Output tokens per request (default: 64).")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="Length spread, as bench serve.")
+    p.add_argument("--burstiness", type=float, default=1.0, help="Arrival gamma shape, as bench serve (default: 1).")
+    p.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: 0).")
+    p.add_argument("--warmup", type=int, default=2, help="Unmeasured requests before each arm's sweep (default: 2).")
+    p.add_argument("--server-args", default="", metavar="ARGS",
+                   help="Extra flags for every `pdserve serve` (one string, e.g. '--max-num-seqs 64').")
+    p.add_argument("--result-dir", default="bench-results/pd", help="Where runs, summary and plot go "
+                                                                    "(default: bench-results/pd).")
+    p.add_argument("--ready-timeout", type=float, default=180.0,
+                   help="Seconds to wait for an arm's processes to be healthy (default: 180).")
+    p.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
+
+
+def _parse(args) -> tuple[list[str], list[float]]:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(f"--arms: unknown arm {bad[0] if bad else '(none)'!r} (choose from {', '.join(ARMS)})")
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--rates: {args.rates!r} is not a comma-separated list of numbers") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError("--rates: every rate must be > 0 (inf allowed)")
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    return arms, rates
+
+
+def _serve_args(args, url: str, model: str, rate: float, warmup: int, save: Path) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_serve_args(p)
+    argv = ["--base-url", url, "--tokenizer", model, "--num-prompts", str(args.num_prompts),
+            "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
+            "--random-range-ratio", str(args.random_range_ratio), "--request-rate", str(rate),
+            "--burstiness", str(args.burstiness), "--seed", str(args.seed), "--warmup", str(warmup),
+            "--ignore-eos", "--save-result", str(save)]
+    return p.parse_args(argv + (["--disable-tqdm"] if args.disable_tqdm else []))
+
+
+def _row(arm: str, rate: float, r: dict) -> dict:
+    g = r["graph"] or {}
+    return {"arm": arm, "rate": rate, "isl": r["random_input_len"], "osl": r["random_output_len"],
+            "completed": r["completed"], "failed": r["failed"], "non_full_share": g.get("non_full_share", math.nan),
+            "non_full_steps": g.get("non_full_steps"), "full_steps": g.get("full_steps"),
+            "non_full_reasons": g.get("non_full_reasons", {}), "device": g.get("device", ""),
+            "mean_tpot_ms": r["tpot_ms"]["mean"], "p99_tpot_ms": r["tpot_ms"]["p99"], "p99_itl_ms": r["itl_ms"]["p99"],
+            "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"]}
+
+
+def run_bench_pd(args) -> int:
+    arms, rates = _parse(args)
+    if args.model:
+        model = str(Path(args.model).absolute())
+        if not Path(model).is_dir():
+            raise ValueError(f"--model {args.model}: not a directory")
+    else:
+        from pdserve.model.make_model import ensure_model
+        model = str(ensure_model("qwen3", "tiny", 0))
+    out = Path(args.result_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    rows, dep = [], None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt  # one exit path for Ctrl-C and SIGTERM: the finally below
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for arm in arms:
+            t0 = time.monotonic()
+            print(f"[bench pd] {arm}: starting", flush=True)
+            dep = launch(arm, model, out / "logs", args.server_args.split(), token)
+            dep.wait_healthy(args.ready_timeout)
+            print(f"[bench pd] {arm}: healthy in {time.monotonic() - t0:.1f} s ({dep.url})", flush=True)
+            for i, rate in enumerate(rates):
+                save = out / f"{arm}_rate{rate:g}.json"
+                result = run_bench_serve(_serve_args(args, dep.url, model, rate, args.warmup if i == 0 else 0, save),
+                                         quiet=True)
+                rows.append(_row(arm, rate, result))
+                print(f"[bench pd] {arm} @ {rate:g} req/s: {result['completed']} ok, {result['failed']} failed, "
+                      f"median TTFT {result['ttft_ms']['median']:.1f} ms, p99 ITL {result['itl_ms']['p99']:.1f} ms",
+                      flush=True)
+            killed = dep.stop()
+            dep = None
+            if killed:
+                print(f"[bench pd] {arm}: had to kill {', '.join(killed)}", flush=True)
+    except KeyboardInterrupt:
+        print("\n[bench pd] interrupted: stopping the deployment", flush=True)
+        return 130
+    finally:
+        if dep is not None:
+            dep.stop(timeout=10.0)
+        signal.signal(signal.SIGTERM, old)
+    table = format_table(rows)
+    print(table)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "summary.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
+                                                  "arms": arms, "rates": rates, "rows": rows}, indent=1))
+    png = plot(rows, out / "bench_pd.png")
+    print(f"[bench pd] results in {out}/ (summary.json, table.txt{', ' + png.name if png else ''})")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -1,0 +1,180 @@
+"""`pdserve bench serve`: load an OpenAI-compatible endpoint (pdserve, its router, or vLLM) and report vLLM's serving
+metrics, plus the share of non-FULL decode-graph steps when the target exposes pdserve's graph counters.
+
+Requests are sent at absolute offsets from the start (gamma arrivals), so a slow response never delays the next
+send; `--max-concurrency` caps the requests in flight on top of that.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+from tqdm import tqdm
+
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import RequestSpec, send_request
+from pdserve.bench.datasets import jsonl_dataset, random_dataset
+from pdserve.bench.graph_share import format_share, metric_targets, scrape
+from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="Server or router base URL, without the route (default: http://127.0.0.1:8000).")
+    p.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"), default="/v1/completions",
+                   help="OpenAI route to load (default: /v1/completions).")
+    p.add_argument("--model", default=None, help="Model name sent in requests (default: the first id of the "
+                                                  "target's /v1/models).")
+    p.add_argument("--tokenizer", default=None, help="Local tokenizer directory, for the random dataset and for "
+                                                      "prompt lengths (default: --model when it is a directory).")
+    p.add_argument("--dataset", choices=("random", "jsonl"), default="random",
+                   help="random: token-id prompts decoded with the tokenizer; jsonl: prompts from --dataset-path.")
+    p.add_argument("--dataset-path", default=None, help="The jsonl file: one {\"prompt\": ..., \"output_len\": ...} "
+                                                         "object per line (output_len optional).")
+    p.add_argument("--random-input-len", type=int, default=1024, help="Mean prompt tokens (default: 1024).")
+    p.add_argument("--random-output-len", type=int, default=128,
+                   help="Mean output tokens; max_tokens of each request; also the jsonl default (default: 128).")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="Lengths drawn uniformly from [len*(1-r), len*(1+r)] (default: 0, fixed lengths).")
+    p.add_argument("--num-prompts", type=int, default=100, help="Requests in the measured run (default: 100).")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Requests per second, or inf to send all at once (default: inf).")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of the arrival gaps: 1 is Poisson, lower is burstier (default: 1).")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="Most requests in flight at once (default: no limit).")
+    p.add_argument("--ignore-eos", action="store_true", help="Ask the server to generate max_tokens every time.")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0, greedy).")
+    p.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: 0).")
+    p.add_argument("--warmup", type=int, default=0, help="Requests sent (and not measured) before the run.")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, e2el; milliseconds).")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer token for the target (default: $OPENAI_API_KEY).")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds before a request fails "
+                                                                        "(default: 600).")
+    p.add_argument("--save-result", default=None, metavar="FILE.json", help="Write metrics and per-request data.")
+    p.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+
+
+def _check(args) -> None:
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    if args.dataset == "jsonl" and not args.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path")
+
+
+def _model_name(args) -> str:
+    if args.model:
+        return Path(args.model).name if Path(args.model).is_dir() else args.model
+    try:
+        r = httpx.get(args.base_url + "/v1/models", timeout=10.0,
+                      headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--model not given and {args.base_url}/v1/models did not name one ({e})") from None
+
+
+def _tokenizer(args):
+    path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    if path is None:
+        if args.dataset == "random":
+            raise ValueError("--dataset random needs --tokenizer (a local directory) or --model as a directory")
+        return None
+    if not Path(path).is_dir():
+        raise ValueError(f"--tokenizer {path}: not a local directory (nothing is downloaded)")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def _run(specs: list[RequestSpec], offsets: list[float], args, tokenizer, desc: str):
+    conn = aiohttp.TCPConnector(limit=args.max_concurrency or 0, ttl_dns_cache=300)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = tqdm(total=len(specs), desc=desc, disable=args.disable_tqdm, unit="req")
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout, read_bufsize=1 << 16) as session:
+        async def one(spec):
+            if sem is None:
+                r = await send_request(session, spec, tokenizer)
+            else:
+                async with sem:
+                    r = await send_request(session, spec, tokenizer)
+            bar.update(1)
+            return r
+
+        tasks, t0 = [], time.perf_counter()
+        for spec, off in zip(specs, offsets):
+            delay = t0 + off - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(spec)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    bar.close()
+    return results, duration
+
+
+def run_bench_serve(args, quiet: bool = False) -> dict:
+    """Runs the benchmark described by `args` (the flags above); returns what --save-result writes."""
+    _check(args)
+    args.base_url = args.base_url.rstrip("/")
+    slos = parse_goodput(args.goodput)
+    tokenizer = _tokenizer(args)
+    model = _model_name(args)
+    if args.dataset == "random":
+        samples = random_dataset(tokenizer, args.num_prompts + args.warmup, args.random_input_len,
+                                 args.random_output_len, args.random_range_ratio, args.seed)
+    else:
+        samples = jsonl_dataset(args.dataset_path, args.num_prompts + args.warmup, args.random_output_len, tokenizer)
+    specs = [RequestSpec(args.base_url, args.endpoint, model, s.prompt, s.prompt_len, s.output_len, args.ignore_eos,
+                         args.temperature, args.api_key) for s in samples]
+    warm, specs = specs[:args.warmup], specs[args.warmup:]
+    offsets = arrival_offsets(len(specs), args.request_rate, args.burstiness, args.seed)
+    loop_run = asyncio.run
+    try:
+        import uvloop  # the client must keep up with the schedule: a faster loop leaves more headroom
+        loop_run = uvloop.run
+    except ImportError:
+        pass
+    if warm:
+        warm_results, _ = loop_run(_run(warm, [0.0] * len(warm), args, tokenizer, "warmup"))
+        if not any(r.success for r in warm_results):
+            raise RuntimeError(f"every warm-up request failed: {warm_results[0].error}")
+    targets = metric_targets(args.base_url)
+    before = scrape(targets)
+    results, duration = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
+    after = scrape(targets)
+    metrics = compute_metrics(results, duration, slos)
+    graph = (after - before).summary() if before is not None and after is not None else None
+    if not quiet:
+        rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+        print(f"target {args.base_url}{args.endpoint}  model {model}  request rate {rate}  "
+              f"burstiness {args.burstiness:g}  max concurrency {args.max_concurrency or 'none'}")
+        print(format_metrics(metrics))
+        if graph is not None:
+            print(format_share(graph))
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "endpoint": args.endpoint,
+           "model": model, "dataset": args.dataset, "num_prompts": args.num_prompts,
+           "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
+           "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
+           "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+           "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), "graph": graph,
+           "per_request": {"prompt_lens": [r.prompt_len for r in results],
+                           "output_lens": [r.output_tokens for r in results],
+                           "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+                           "latencies": [r.latency for r in results], "errors": [r.error for r in results]}}
+    if args.save_result:
+        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_result).write_text(json.dumps(out, indent=1))
+    return out

@@ -1,0 +1,116 @@
+"""bench: metric definitions on synthetic timestamps, the arrival process, datasets, flag errors."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.datasets import jsonl_dataset, random_dataset
+from pdserve.bench.metrics import RequestResult, compute_metrics, parse_goodput, summarize
+from pdserve.bench.report import CPU_CAVEAT, format_table
+
+
+def req(ttft, gaps, tokens=None, prompt_len=10):
+    return RequestResult(success=True, prompt_len=prompt_len, output_tokens=tokens or len(gaps) + 1, ttft=ttft,
+                         itl=list(gaps), latency=ttft + sum(gaps))
+
+
+def test_ttft_tpot_itl_e2el_follow_vllm_definitions():
+    a = req(0.100, [0.010, 0.030])  # 3 tokens: TPOT = (0.14 - 0.1) / 2 = 20 ms
+    b = req(0.300, [0.050])  # 2 tokens: TPOT = 50 ms
+    c = req(0.200, [], tokens=1)  # one token: no TPOT, no ITL
+    m = compute_metrics([a, b, c], duration_s=2.0)
+    assert m.completed == 3 and m.failed == 0
+    assert m.ttft_ms["mean"] == pytest.approx(200.0) and m.ttft_ms["median"] == pytest.approx(200.0)
+    assert m.tpot_ms["mean"] == pytest.approx(35.0)  # only a and b
+    assert m.itl_ms["mean"] == pytest.approx(30.0)  # pooled gaps 10, 30, 50
+    assert m.e2el_ms["median"] == pytest.approx(200.0)  # 140, 350, 200 ms
+    assert m.total_output_tokens == 6 and m.total_input_tokens == 30
+    assert m.request_throughput == pytest.approx(1.5) and m.output_throughput == pytest.approx(3.0)
+    assert m.total_token_throughput == pytest.approx(18.0)
+    assert m.request_goodput is None
+
+
+def test_percentiles_interpolate_linearly():
+    s = summarize([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert s["median"] == pytest.approx(50.5) and s["p90"] == pytest.approx(90.1) and s["p99"] == pytest.approx(99.01)
+    assert s["mean"] == pytest.approx(50.5)
+    assert all(math.isnan(v) for v in summarize([]).values())
+
+
+def test_failed_requests_are_counted_not_measured():
+    bad = RequestResult(error="HTTP 500: boom")
+    m = compute_metrics([req(0.1, [0.01]), bad], duration_s=1.0)
+    assert (m.completed, m.failed) == (1, 1) and m.errors == ["HTTP 500: boom"]
+    assert m.ttft_ms["mean"] == pytest.approx(100.0)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    slos = parse_goodput(["ttft:150", "tpot:25"])
+    assert slos == {"ttft": 0.15, "tpot": 0.025}
+    rs = [req(0.100, [0.020, 0.020]),  # good
+          req(0.100, [0.040]),  # TPOT 40 ms: too slow
+          req(0.200, [0.010]),  # TTFT too slow
+          req(0.120, [], tokens=1)]  # no TPOT: only TTFT applies, good
+    assert compute_metrics(rs, 2.0, slos).request_goodput == pytest.approx(1.0)
+    for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["ttft:abc"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput(bad)
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
+def test_arrivals_have_the_rate_and_burstiness_asked_for(burstiness):
+    t = np.array(arrival_offsets(20000, rate=50.0, burstiness=burstiness, seed=1))
+    gaps = np.diff(t)
+    assert t[0] == 0 and np.all(gaps >= 0)
+    assert 1 / gaps.mean() == pytest.approx(50.0, rel=0.03)
+    cv2 = gaps.var() / gaps.mean() ** 2  # a gamma process with shape k has CV^2 = 1/k
+    assert cv2 == pytest.approx(1 / burstiness, rel=0.08)
+    assert arrival_offsets(5, rate=50.0, burstiness=burstiness, seed=1) == t[:5].tolist()  # seeded
+
+
+def test_arrivals_edge_cases():
+    assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="--burstiness"):
+        arrival_offsets(3, 1.0, burstiness=0)
+    with pytest.raises(ValueError, match="--request-rate"):
+        arrival_offsets(3, 0.0)
+
+
+def test_random_dataset_lengths_and_determinism(qwen3_tiny):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
+    a = random_dataset(tok, 8, input_len=64, output_len=16, range_ratio=0.25, seed=3)
+    assert a == random_dataset(tok, 8, input_len=64, output_len=16, range_ratio=0.25, seed=3)
+    assert len({s.prompt for s in a}) == 8
+    for s in a:
+        assert 12 <= s.output_len <= 20
+        assert s.prompt_len == len(tok.encode(s.prompt, add_special_tokens=False))
+        assert 40 <= s.prompt_len <= 80  # re-encoding can merge tokens, never add beyond the target
+        assert not set(tok.encode(s.prompt, add_special_tokens=False)) & set(tok.all_special_ids)
+
+
+def test_jsonl_dataset(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hello", "output_len": 5}) + "\n\n" + json.dumps({"text": "bye"}) + "\n")
+    rows = jsonl_dataset(str(f), 3, output_len=7)
+    assert [(r.prompt, r.output_len) for r in rows] == [("hello", 5), ("bye", 7), ("hello", 5)]
+    f.write_text("{not json}\n")
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        jsonl_dataset(str(f), 1, 7)
+
+
+def _row(arm, rate, share, tpot, device="cpu"):
+    return {"arm": arm, "rate": rate, "isl": 64, "osl": 16, "completed": 4, "failed": 0, "non_full_share": share,
+            "non_full_steps": 1, "full_steps": 9, "non_full_reasons": {"prefill": 1} if share else {},
+            "device": device, "mean_tpot_ms": tpot, "p99_tpot_ms": tpot, "p99_itl_ms": tpot, "median_ttft_ms": tpot}
+
+
+def test_table_compares_with_strict_on_gpu_and_only_pd_vs_collocated_on_cpu():
+    rows = [_row("collocated", 2, 0.1, 10.0), _row("strict", 2, 0.2, 20.0), _row("default", 2, 0.0, 15.0)]
+    cpu = format_table(rows)
+    assert CPU_CAVEAT in cpu and "15.00 (+50%)" in cpu and "20.00 (+100%)" in cpu  # against collocated
+    gpu = format_table([dict(r, device="cuda") for r in rows])
+    assert CPU_CAVEAT not in gpu and "15.00 (-25%)" in gpu and "10.00 (-50%)" in gpu  # against strict
+    assert "20.00 (" not in gpu  # strict is the reference itself

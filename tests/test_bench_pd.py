@@ -1,0 +1,83 @@
+"""bench pd end to end on the tiny model: every arm and rate in the table, the graph shares by rule, no request
+lost, token counts equal through the router and a single server, and no process left behind (also on Ctrl-C)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tests.server_harness import REPO
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment carries `marker`: the bench and every child it started, wherever they are."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker.encode() in (d / "environ").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def start_bench(tmp_path, marker, *args):
+    env = {**os.environ, "PDSERVE_BENCH_TEST_MARKER": marker}
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "bench", "pd", "--result-dir", str(tmp_path),
+                             "--disable-tqdm", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
+    marker = uuid.uuid4().hex
+    proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--rates", "4,16", "--num-prompts", "6",
+                       "--random-input-len", "48", "--random-output-len", "12", "--server-args",
+                       "--max-model-len 256 --kv-cache-memory-gb 0.05")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-5000:]
+    assert not marked_pids(marker), "bench pd left processes behind"
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default")
+                                                     for q in (4.0, 16.0)}
+    assert all(r["completed"] == 6 and r["failed"] == 0 for r in rows)
+    for r in rows:
+        if r["arm"] == "strict":
+            assert r["non_full_reasons"].get("prefill", 0) > 0, r
+        if r["arm"] == "default":
+            assert r["non_full_steps"] == 0 and r["full_steps"] > 0, r
+    table = (tmp_path / "table.txt").read_text()
+    assert table in out and "device=cpu" in table
+    data_lines = [line for line in table.splitlines() if line.startswith("48/12")]
+    for label in ("collocated", "1P1D strict", "1P1D default"):
+        assert sum(f" {label} " in line for line in data_lines) == 2, table
+    assert (tmp_path / "bench_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --ignore-eos: the router and a single server count the same tokens for every request
+    lens = {a: json.loads((tmp_path / f"{a}_rate4.json").read_text())["per_request"]["output_lens"]
+            for a in ("collocated", "strict", "default")}
+    assert lens["collocated"] == lens["strict"] == lens["default"] == [12] * 6
+
+
+def test_ctrl_c_leaves_no_process(qwen3_tiny, tmp_path):
+    marker = uuid.uuid4().hex
+    proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms", "strict", "--rates", "0.2",
+                       "--num-prompts", "50", "--random-input-len", "16", "--random-output-len", "4")
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # wait until the arm is up and the slow sweep has started
+            if "healthy" in line or time.monotonic() > deadline:
+                break
+        time.sleep(1.0)
+        assert len(marked_pids(marker)) >= 4  # bench, router, P, D
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while marked_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not marked_pids(marker)

@@ -1,0 +1,78 @@
+"""bench serve: the client keeps up with its schedule against a null endpoint; flag errors name the flag."""
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pdserve.bench.arrivals import arrival_offsets
+from tests.server_harness import REPO, free_port
+
+
+@pytest.fixture(scope="module")
+def null_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.null_server", str(port)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def bench(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_client_keeps_up_at_200_req_per_s(null_server, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(50)))
+    out = tmp_path / "r.json"
+    r = bench("--base-url", null_server, "--model", "null", "--dataset", "jsonl", "--dataset-path", str(prompts),
+              "--num-prompts", "1000", "--request-rate", "200", "--seed", "0", "--warmup", "20", "--disable-tqdm",
+              "--save-result", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["completed"] == 1000 and res["failed"] == 0
+    assert res["total_output_tokens"] == 2000  # from the usage chunk
+    assert res["request_throughput"] == pytest.approx(200, rel=0.05), res["request_throughput"]
+    sched = arrival_offsets(1000, 200.0, 1.0, 0)  # the seed's own draw: the client keeps to it within 1%
+    assert res["request_throughput"] == pytest.approx(1000 / sched[-1], rel=0.01)
+    assert res["ttft_ms"]["p99"] < 5.0, res["ttft_ms"]
+    assert "Serving Benchmark Result" in r.stdout and "Successful requests:" in r.stdout
+    assert res["graph"] is None and "Decode graph steps" not in r.stdout  # a target without pdserve's counters
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--dataset", "jsonl"], "--dataset-path"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--goodput", "foo:1"], "--goodput"),
+    (["--dataset", "random"], "--tokenizer"),
+    (["--tokenizer", "/nonexistent"], "--tokenizer"),
+])
+def test_bad_flags_name_the_flag(args, flag):
+    r = bench("--base-url", "http://127.0.0.1:9", "--model", "m", *args, timeout=60)
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_unreachable_target_counts_failures(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
+    r = bench("--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--dataset", "jsonl",
+              "--dataset-path", str(prompts), "--num-prompts", "3", "--disable-tqdm", timeout=60)
+    assert r.returncode == 1 and "Failed requests:" in r.stdout and "Traceback" not in r.stderr
+    assert "ClientConnectorError" in r.stdout or "Connect" in r.stdout

@@ -1,4 +1,4 @@
-"""A null OpenAI streaming endpoint: answers every completion at once (two content chunks, usage, [DONE]).
+"""A null OpenAI streaming endpoint: answers every completion or chat request at once (two content chunks, usage, [DONE]).
 
 Raw ASGI on uvicorn, no framework, so the server's own cost is as small as it gets: what `bench serve` measures
 against it is the client's overhead. Usage: python -m tests.null_server PORT"""
@@ -7,11 +7,23 @@ import sys
 
 import uvicorn
 
-CHUNKS = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in (
-    {"id": "cmpl-null", "object": "text_completion", "choices": [{"index": 0, "text": "a", "finish_reason": None}]},
-    {"id": "cmpl-null", "object": "text_completion", "choices": [{"index": 0, "text": "b", "finish_reason": "length"}]},
-    {"id": "cmpl-null", "object": "text_completion", "choices": [],
-     "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})] + [b"data: [DONE]\n\n"]
+USAGE = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+
+
+def sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+BODIES = {
+    "/v1/completions": sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+                           {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]},
+                           {"choices": [], "usage": USAGE}),
+    # chat opens with a role-only delta, as OpenAI and vLLM do: it is not content, so not the first token
+    "/v1/chat/completions": sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                                {"choices": [{"index": 0, "delta": {"content": "a"}}]},
+                                {"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "length"}]},
+                                {"choices": [], "usage": USAGE}),
+}
 
 
 async def app(scope, receive, send):
@@ -23,12 +35,12 @@ async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
         return
-    if scope["path"] != "/v1/completions":
+    if scope["path"] not in BODIES:
         await send({"type": "http.response.start", "status": 404, "headers": []})
         await send({"type": "http.response.body", "body": b""})
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-    await send({"type": "http.response.body", "body": b"".join(CHUNKS)})
+    await send({"type": "http.response.body", "body": BODIES[scope["path"]]})
 
 
 if __name__ == "__main__":

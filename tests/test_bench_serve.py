@@ -57,6 +57,19 @@ def test_client_keeps_up_at_200_req_per_s(null_server, tmp_path):
     assert res["graph"] is None and "Decode graph steps" not in r.stdout  # a target without pdserve's counters
 
 
+def test_chat_endpoint_skips_the_role_chunk(null_server, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    out = tmp_path / "r.json"
+    r = bench("--base-url", null_server, "--model", "null", "--endpoint", "/v1/chat/completions", "--dataset",
+              "jsonl", "--dataset-path", str(prompts), "--num-prompts", "20", "--request-rate", "100",
+              "--disable-tqdm", "--save-result", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["completed"] == 20 and res["total_output_tokens"] == 40
+    assert all(len(gaps) == 1 for gaps in res["per_request"]["itls"])  # 2 content chunks: 1 gap, role chunk skipped
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--dataset", "jsonl"], "--dataset-path"),
     (["--num-prompts", "0"], "--num-prompts"),

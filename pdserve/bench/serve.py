@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -153,6 +154,8 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
             raise RuntimeError(f"every warm-up request failed: {warm_results[0].error}")
     targets = metric_targets(args.base_url)
     before = scrape(targets)
+    gc.collect()
+    gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
     results, duration = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
     after = scrape(targets)
     metrics = compute_metrics(results, duration, slos)

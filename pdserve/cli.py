@@ -114,7 +114,11 @@ def cmd_bench(args) -> int:
         result = run_bench_serve(args)
         return 0 if result["failed"] == 0 else 1
     from pdserve.bench.pd import run_bench_pd
-    return run_bench_pd(args)
+    try:
+        return run_bench_pd(args)
+    except (RuntimeError, TimeoutError) as e:  # a deployment that would not start: its log tail says why
+        print(f"pdserve bench pd: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_make_model(args) -> int:

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import secrets
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -90,8 +91,8 @@ def run_bench_pd(args) -> int:
     arms, rates = _parse(args)
     if args.model:
         model = str(Path(args.model).absolute())
-        if not Path(model).is_dir():
-            raise ValueError(f"--model {args.model}: not a directory")
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     else:
         from pdserve.model.make_model import ensure_model
         model = str(ensure_model("qwen3", "tiny", 0))
@@ -107,7 +108,7 @@ def run_bench_pd(args) -> int:
         for arm in arms:
             t0 = time.monotonic()
             print(f"[bench pd] {arm}: starting", flush=True)
-            dep = launch(arm, model, out / "logs", args.server_args.split(), token)
+            dep = launch(arm, model, out / "logs", shlex.split(args.server_args), token)
             dep.wait_healthy(args.ready_timeout)
             print(f"[bench pd] {arm}: healthy in {time.monotonic() - t0:.1f} s ({dep.url})", flush=True)
             for i, rate in enumerate(rates):

@@ -31,8 +31,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Server or router base URL, without the route (default: http://127.0.0.1:8000).")
     p.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"), default="/v1/completions",
                    help="OpenAI route to load (default: /v1/completions).")
-    p.add_argument("--model", default=None, help="Model name sent in requests (default: the first id of the "
-                                                  "target's /v1/models).")
+    p.add_argument("--model", default=None,
+                   help="Model name sent in requests; a local directory sends its name, which `pdserve serve` "
+                        "answers to by default, and is the default --tokenizer (default: the first id of the "
+                        "target's /v1/models).")
     p.add_argument("--tokenizer", default=None, help="Local tokenizer directory, for the random dataset and for "
                                                       "prompt lengths (default: --model when it is a directory).")
     p.add_argument("--dataset", choices=("random", "jsonl"), default="random",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -102,6 +103,13 @@ class KVTransferConfig:
     kv_lease_seconds: float = 30.0
     kv_transfer_timeout: float = 10.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # TLS (optional; the HMAC handshake and frame tags run inside it). P serves TLS with kv_tls_cert/kv_tls_key
+    # (PEM). D uses TLS when it has kv_tls_ca, or kv_tls_cert (a self-signed pair shared by the deployment: D trusts
+    # that cert), and then verifies P's chain and that the cert names the host D dials (kv_advertise_host). With
+    # neither, D speaks plain TCP, and a TLS P refuses it (the load fails and D prefills locally).
+    kv_tls_cert: Optional[str] = None
+    kv_tls_key: Optional[str] = None
+    kv_tls_ca: Optional[str] = None
     kv_connector_extra_config: dict = field(default_factory=dict)
     connectors: tuple = ()  # children of a MultiConnector
 
@@ -134,12 +142,39 @@ class KVTransferConfig:
             raise ValueError("kv_transfer_config.connectors: a MultiConnector needs at least one child")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_transfer_config.kv_load_failure_policy must be 'recompute' or 'fail'")
+        if bool(self.kv_tls_cert) != bool(self.kv_tls_key):
+            have, need = ("kv_tls_cert", "kv_tls_key") if self.kv_tls_cert else ("kv_tls_key", "kv_tls_cert")
+            raise ValueError(f"kv_transfer_config.{need} is required with {have}")
+        for name in ("kv_tls_cert", "kv_tls_key", "kv_tls_ca"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"kv_transfer_config.{name}: no such file {path!r}")
         if self.kv_host not in LOOPBACK and not self.auth_token():
             raise ValueError(f"kv_transfer_config.kv_host {self.kv_host!r} is not loopback: refusing to serve KV "
                              "without kv_auth_token (or PDSERVE_KV_TOKEN)")
 
     def auth_token(self) -> str:
         return self.kv_auth_token or os.environ.get("PDSERVE_KV_TOKEN", "")
+
+    def tls_server_context(self) -> Optional[ssl.SSLContext]:
+        if not self.kv_tls_cert:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.kv_tls_cert, self.kv_tls_key)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"kv_transfer_config.kv_tls_cert/kv_tls_key: cannot load the pair: {e}") from None
+        return ctx
+
+    def tls_client_context(self) -> Optional[ssl.SSLContext]:
+        ca, name = (self.kv_tls_ca, "kv_tls_ca") if self.kv_tls_ca else (self.kv_tls_cert, "kv_tls_cert")
+        if not ca:
+            return None
+        try:
+            return ssl.create_default_context(cafile=ca)  # verifies the chain and the host name
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"kv_transfer_config.{name}: cannot load {ca!r} as trusted certificates: {e}") from None
 
     @property
     def is_pd_consumer(self) -> bool:

@@ -231,3 +231,88 @@ def test_config_errors_name_the_field(qwen3_tiny):
     with pytest.raises(ValueError, match="without kv_auth_token"):
         LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer",
                                             "kv_host": "0.0.0.0"}, **ENGINE)
+
+
+# ---- TLS -----------------------------------------------------------------------------------------------------
+def self_signed(directory, name: str) -> tuple[str, str]:
+    """A self-signed cert (its own CA) for 127.0.0.1/localhost and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    return self_signed(d, "p"), self_signed(d, "other")
+
+
+@pytest.fixture()
+def tls_p(qwen3_tiny, certs):
+    (cert, key), _ = certs
+    p = producer(qwen3_tiny, free_port(), kv_tls_cert=cert, kv_tls_key=key)
+    yield p
+    p.engine.shutdown()
+
+
+def test_pd_over_tls_equals_collocated(tls_p, certs, qwen3_tiny, collocated):
+    p, d = tls_p, consumer(qwen3_tiny, kv_tls_ca=certs[0][0])
+    params = prefill_on(p, PROMPTS)
+    out = decode_on(d, PROMPTS, params)
+    assert [out[i].outputs[0].token_ids for i in range(len(PROMPTS))] == collocated
+    assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+    drain(p)
+    assert_whole(p, d)
+    d.engine.shutdown()
+
+
+@pytest.mark.parametrize("d_tls", ["none", "wrong_ca"])
+def test_tls_mismatch_fails_cleanly_and_recomputes(tls_p, certs, qwen3_tiny, collocated, caplog, d_tls):
+    """D without TLS, or trusting another CA, against a TLS P: refused at once, D prefills locally."""
+    p = tls_p
+    d = consumer(qwen3_tiny, **({"kv_tls_ca": certs[1][0]} if d_tls == "wrong_ca" else {}))
+    params = prefill_on(p, PROMPTS[:2])
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="pdserve.transfer"):
+        out = decode_on(d, PROMPTS[:2], params)
+    assert time.monotonic() - t0 < 5
+    assert [out[i].outputs[0].token_ids for i in range(2)] == collocated[:2]
+    assert d.engine.connector.stats.bytes_received == 0 and sum(d.engine.connector.stats.failures.values()) == 2
+    assert ("require TLS" if d_tls == "none" else "CERTIFICATE_VERIFY_FAILED") in caplog.text
+    expire_leases(p)
+    drain(p)
+    assert_whole(p, d)
+    d.engine.shutdown()
+
+
+def test_tls_config_errors_name_the_field(qwen3_tiny, certs, tmp_path):
+    (cert, key), _ = certs
+    kv = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": free_port()}
+    cases = [({"kv_tls_cert": cert}, "kv_tls_key is required with kv_tls_cert"),
+             ({"kv_tls_key": key}, "kv_tls_cert is required with kv_tls_key"),
+             ({"kv_tls_cert": cert, "kv_tls_key": str(tmp_path / "nope.key")}, "kv_tls_key: no such file"),
+             ({"kv_tls_ca": str(tmp_path / "nope.crt"), "kv_role": "kv_consumer"}, "kv_tls_ca: no such file"),
+             ({"kv_tls_cert": key, "kv_tls_key": key}, "kv_tls_cert/kv_tls_key: cannot load")]
+    for extra, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            LLM(qwen3_tiny, kv_transfer_config={**kv, **extra}, **ENGINE)

@@ -14,8 +14,8 @@ Consumer (D) lifecycle of a request:
    token ids) and offers the n - 1 prompt tokens beyond D's own prefix-cache hit;
 2. the scheduler allocates blocks, parks the request in WAITING_FOR_REMOTE_KV (no token budget spent) and
    `update_state_after_alloc` queues the load;
-3. `start_load_kv` pulls on a worker thread: handshake, reads of up to 64 blocks per frame written into D's own
-   blocks, then `done`; every socket wait has `kv_transfer_timeout`;
+3. `start_load_kv` pulls on a worker thread: handshake, reads of up to 64 blocks per frame received straight into
+   D's own blocks, then `done`; every socket wait has `kv_transfer_timeout`;
 4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
    scheduler's failure policy: recompute locally, or fail the request).
 """
@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from pdserve.config import LOOPBACK
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, register_connector
-from pdserve.transfer.protocol import ProtocolError, client_handshake, server_handshake
+from pdserve.transfer.protocol import ProtocolError, client_handshake, server_handshake, tune
 
 logger = logging.getLogger("pdserve.transfer")
 BLOCKS_PER_READ = 64
@@ -85,6 +86,8 @@ class TcpConnector(KVConnector):
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
         self._server: Optional[socket.socket] = None
         self._closing = threading.Event()
+        self._tls_server = config.tls_server_context() if config.kv_role != "kv_consumer" else None
+        self._tls_client = config.tls_client_context() if config.kv_role != "kv_producer" else None
         if config.kv_role in ("kv_producer", "kv_both"):
             self._start_server()
 
@@ -109,25 +112,27 @@ class TcpConnector(KVConnector):
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(max(5.0, self.config.kv_lease_seconds))
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(conn)
         try:
+            if self._tls_server is not None:
+                conn = self._tls_server.wrap_socket(conn, server_side=True)
             session = server_handshake(conn, self.token, self.compat)
             while True:
-                header, _ = session.recv()
+                header, _ = session.recv(into=[])
                 op, tid = header.get("op"), str(header.get("transfer_id", ""))
                 if op == "read":
                     lease = self._pin(tid)
                     if lease is None:
                         session.send({"status": "expired"})
                         continue
-                    try:
+                    try:  # the pin covers the send: on CPU the bytes go out straight from the cache
                         start, count = int(header["start"]), int(header["count"])
                         ids = lease.block_ids[start:start + count]
-                        payload = self._gather(ids)
+                        payload = self._views(ids) if self._flat else [self._gather(ids)]
+                        session.send({"status": "ok", "count": len(ids)}, payload)
                     finally:
                         self._unpin(tid)
-                    session.send({"status": "ok", "count": len(ids)}, payload)
-                    self.stats.bytes_sent += payload.nbytes
+                    self.stats.bytes_sent += len(ids) * self.bytes_per_block
                 elif op == "done":
                     with self._lock:
                         if tid in self.leases:
@@ -135,6 +140,9 @@ class TcpConnector(KVConnector):
                     session.send({"status": "ok"})
                 else:
                     session.send({"status": "error", "error": f"unknown op {op!r}"})
+        except ssl.SSLError as e:  # e.g. a consumer without TLS
+            self.stats.failures["tls"] += 1
+            logger.warning("KV connection refused: TLS handshake failed (consumer without TLS?): %s", e)
         except OSError:  # the peer went away or timed out: nothing to answer
             pass
         except (ProtocolError, ValueError, KeyError) as e:
@@ -155,6 +163,27 @@ class TcpConnector(KVConnector):
     def _unpin(self, tid: str) -> None:
         with self._lock:
             self.leases[tid].pins -= 1
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        super().register_kv_caches(kv_caches)
+        c0 = kv_caches[0]  # [2 (K, V), blocks, block_size, kv heads, head size] per layer
+        self.num_blocks, self.chunk_bytes = c0.shape[1], c0[0, 0].numel() * c0.element_size()
+        self.bytes_per_block = 2 * len(kv_caches) * self.chunk_bytes
+        # On CPU, flat byte views of each layer's cache: reads are sent from, and loads received into, the blocks
+        # themselves. Elsewhere reads gather into host memory and loads scatter from it.
+        self._flat = [memoryview(c.view(-1).view(torch.uint8).numpy()) for c in kv_caches] \
+            if c0.device.type == "cpu" else None
+
+    def _views(self, block_ids: list[int]) -> list[memoryview]:
+        """Views of `block_ids` in wire order [layer, K/V, block], one per run of consecutive ids."""
+        runs: list[list[int]] = []
+        for b in block_ids:
+            if runs and runs[-1][1] == b:
+                runs[-1][1] += 1
+            else:
+                runs.append([b, b + 1])
+        n, cb = self.num_blocks, self.chunk_bytes
+        return [flat[(kv * n + s) * cb:(kv * n + e) * cb] for flat in self._flat for kv in (0, 1) for s, e in runs]
 
     def _gather(self, block_ids: list[int]) -> np.ndarray:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
@@ -202,7 +231,10 @@ class TcpConnector(KVConnector):
             self.stats.failures["rejected"] += 1
             logger.warning("request %s: not loading remote KV: %s", req.request_id, why)
             return 0
-        return max(0, n - 1 - num_local_computed)
+        if num_local_computed >= n - 1:  # all cached here: nothing to pull, but P must hear `done` to free its
+            self._queued.append(LoadJob(req.request_id, dict(p), 0, []))  # lease now, not at expiry (as vLLM's Nixl)
+            return 0
+        return n - 1 - num_local_computed
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
         first = num_local_computed // self.block_size
@@ -224,24 +256,30 @@ class TcpConnector(KVConnector):
         try:
             with socket.create_connection((p["remote_host"], int(p["remote_port"])),
                                           timeout=self.config.kv_transfer_timeout) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tune(sock)
+                if self._tls_client is not None:
+                    sock = self._tls_client.wrap_socket(sock, server_hostname=p["remote_host"])
                 session = client_handshake(sock, self.token, self.compat)
-                # All reads go out first, so P gathers and sends the next batch while this side verifies and
-                # writes the previous one.
+                # All reads go out first, so P sends the next batch while this side receives the previous one.
                 batches = [job.dst_blocks[i:i + BLOCKS_PER_READ] for i in range(0, len(job.dst_blocks),
                                                                                BLOCKS_PER_READ)]
                 for i, dst in enumerate(batches):
                     session.send({"op": "read", "transfer_id": p["transfer_id"],
                                   "start": job.src_start + i * BLOCKS_PER_READ, "count": len(dst)})
                 for dst in batches:
-                    header, payload = session.recv()
+                    # Straight into the request's own blocks; if the frame then fails authentication, the load
+                    # fails and the scheduler drops these blocks unpublished.
+                    nbytes = len(dst) * self.bytes_per_block
+                    into = self._views(dst) if self._flat else [memoryview(bytearray(nbytes))]
+                    header, _ = session.recv(into=into)
                     if header.get("status") != "ok" or header.get("count") != len(dst):
                         raise ProtocolError(f"producer answered {header.get('status')!r} for transfer "
                                             f"{p['transfer_id']}")
-                    self._scatter(dst, payload)
-                    self.stats.bytes_received += payload.nbytes
+                    if not self._flat:
+                        self._scatter(dst, into[0])
+                    self.stats.bytes_received += nbytes
                 session.send({"op": "done", "transfer_id": p["transfer_id"]})
-                session.recv()
+                session.recv(into=[])
             with self._lock:
                 self._done.add(job.request_id)
         except Exception as e:  # every failure ends in the scheduler's failure policy
@@ -257,10 +295,7 @@ class TcpConnector(KVConnector):
 
     def _scatter(self, dst: list[int], payload: memoryview) -> None:
         c0 = self.kv_caches[0]
-        shape = (len(self.kv_caches), 2, len(dst), *c0.shape[2:])
-        expected = int(np.prod(shape)) * c0.element_size()
-        if payload.nbytes != expected:
-            raise ProtocolError(f"KV payload of {payload.nbytes} bytes, expected {expected}")
+        shape = (len(self.kv_caches), 2, len(dst), *c0.shape[2:])  # the payload's size was checked on receipt
         data = torch.frombuffer(payload, dtype=torch.uint8).view(c0.dtype).view(shape).to(c0.device)
         idx = torch.tensor(dst, dtype=torch.long, device=c0.device)
         for layer, cache in enumerate(self.kv_caches):

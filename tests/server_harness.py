@@ -1,10 +1,12 @@
-"""Start `pdserve serve` as a subprocess on a free loopback port, wait for /health, and always clean it up.
+"""Start `pdserve serve` (and `pdserve router`) as subprocesses on free loopback ports, wait for /health, and always
+clean them up; helpers the P/D tests share (KV configs, requests, pool and metric checks).
 
-The server runs in its own session (process group), so teardown can end it and anything it started (the engine
+A server runs in its own session (process group), so teardown can end it and anything it started (the engine
 process of `--engine-backend process`) by that group id, and check that nothing is left.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,8 +39,9 @@ def group_alive(pgid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = None):
-        self.port = free_port()
+    def __init__(self, model_dir: str, *args: str, api_key: str | None = None, port: int | None = None):
+        self.args = args  # a restart on the same address: ServerProcess(model_dir, *old.args, port=old.port)
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="pdserve-test-server-", suffix=".log", delete=False)
@@ -100,3 +104,86 @@ class ServerProcess:
             self.kill()
         self.log_file.close()
         os.unlink(self.log_file.name)
+
+
+# ---------------------------------------------------------------------------------------------------- P/D helpers
+KV_TOKEN = "pd-test-token"
+
+
+class RouterProcess:
+    def __init__(self, prefill: list[str], decode: list[str], *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.port), "--prefill", *prefill,
+               "--decode", *decode, "--kv-auth-token", KV_TOKEN, "--health-interval", "0.3", *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+    def wait_healthy(self, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("router not healthy")
+
+    def cleanup(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        assert not group_alive(self.proc.pid) or self.proc.poll() is not None
+
+
+def kv_config(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "TcpConnector", "kv_role": role, "kv_auth_token": KV_TOKEN,
+                       "kv_transfer_timeout": 1.5, **extra})
+
+
+def complete(url: str, prompt, stream: bool = False, max_tokens: int = 12, **extra) -> str:
+    body = {"model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream, **extra}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, (r.status_code, r.read())
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def kv_state(server) -> dict:
+    return httpx.get(server.url + "/debug/kv", timeout=5).json()
+
+
+def wait_pools_whole(*servers, timeout=10.0):
+    """Every block back in each server's pool (leases released too) and the engine's invariants hold."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [kv_state(s) for s in servers]
+        if all(s["used_blocks"] == 0 and s["invariants_ok"] for s in states) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for s in states:
+        assert s["invariants_ok"] and s["used_blocks"] == 0, s
+
+
+def metrics(url: str) -> dict:
+    """{(sample name, sorted label items): value} of a /metrics page."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(url_or_metrics, name: str, **labels) -> float:
+    """Sum of the samples named `name` whose labels include `labels`."""
+    m = metrics(url_or_metrics) if isinstance(url_or_metrics, str) else url_or_metrics
+    return sum(v for (n, lab), v in m.items() if n == name and set(labels.items()) <= set(lab))

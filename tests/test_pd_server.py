@@ -3,10 +3,7 @@
 One deployment for the whole module; the destructive test (P killed) runs last."""
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,44 +11,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import REPO, ServerProcess, free_port, group_alive
+from tests.server_harness import RouterProcess, ServerProcess, complete, free_port, kv_config, wait_pools_whole
 
-TOKEN = "pd-test-token"
 PROMPTS = [f"def function_{i}(x):\n    " + "return x + 1\n" * (i % 5) + "#" * i for i in range(16)]
-
-
-class RouterProcess:
-    def __init__(self, prefill: list[str], decode: list[str], *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.port), "--prefill", *prefill,
-               "--decode", *decode, "--kv-auth-token", TOKEN, "--health-interval", "0.3", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-
-    def wait_healthy(self, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("router not healthy")
-
-    def cleanup(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        assert not group_alive(self.proc.pid) or self.proc.poll() is not None
-
-
-def kv_config(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "TcpConnector", "kv_role": role, "kv_auth_token": TOKEN,
-                       "kv_transfer_timeout": 1.5, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -80,37 +42,6 @@ def deployment(qwen3_tiny):
             r.cleanup()
         for s in servers.values():
             s.cleanup()
-
-
-def complete(url: str, prompt, stream: bool = False, max_tokens: int = 12, **extra):
-    body = {"model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **extra}
-    if not stream:
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
-
-
-def kv_state(server) -> dict:
-    return httpx.get(server.url + "/debug/kv", timeout=5).json()
-
-
-def wait_pools_whole(*servers, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        states = [kv_state(s) for s in servers]
-        if all(s["used_blocks"] == 0 and s["invariants_ok"] for s in states) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for s in states:
-        assert s["invariants_ok"] and s["used_blocks"] == 0, s
 
 
 def graph_steps(server) -> dict:

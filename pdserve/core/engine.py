@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -24,6 +25,20 @@ from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 logger = logging.getLogger("pdserve.engine")
 
 Prompt = Union[str, list[int]]
+
+
+@dataclass
+class EngineRequestMetrics(RequestMetrics):
+    """RequestMetrics plus a P/D consumer's KV load span: from the load's start to the poll that saw it end (what
+    the request waited for its remote KV, done or failed)."""
+    kv_load_start_time: Optional[float] = None
+    kv_load_end_time: Optional[float] = None
+
+    @property
+    def kv_transfer_time(self) -> float:
+        if self.kv_load_start_time is None or self.kv_load_end_time is None:
+            return 0.0
+        return self.kv_load_end_time - self.kv_load_start_time
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,7 +73,7 @@ class LLMEngine:
         self.vocab_size = self.hf_config["vocab_size"]
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._released: dict[str, str] = {}
-        self._metrics: dict[str, RequestMetrics] = {}
+        self._metrics: dict[str, EngineRequestMetrics] = {}
         self._prompts: dict[str, Optional[str]] = {}
         self._counter = 0
 
@@ -106,7 +121,7 @@ class LLMEngine:
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids)
         self._released[request_id] = ""
-        self._metrics[request_id] = RequestMetrics(req.arrival_time)
+        self._metrics[request_id] = EngineRequestMetrics(req.arrival_time)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return req
 
@@ -187,14 +202,24 @@ class LLMEngine:
     def _poll_transfers(self) -> list[RequestOutput]:
         if self.connector is None:
             return []
-        failed = self.scheduler.process_transfers(self.connector.get_finished())
+        fin = self.connector.get_finished()
+        now = time.monotonic()
+        for rid in fin.done_recving | set(fin.failed):
+            if (m := self._metrics.get(rid)) is not None:
+                m.kv_load_end_time = now
+        failed = self.scheduler.process_transfers(fin)
         return [self._make_output(r, []) for r in failed if r is not None]
 
     def step(self) -> list[RequestOutput]:
         transfer_outputs = self._poll_transfers()
         out = self.scheduler.schedule()
         if self.connector is not None:
-            self.connector.start_load_kv(self.connector.build_connector_meta())
+            meta = self.connector.build_connector_meta()
+            now = time.monotonic()
+            for job in meta.loads:
+                if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
+                    self._metrics[job.request_id].kv_load_start_time = now
+            self.connector.start_load_kv(meta)
         if not out.rows:
             if self.has_unfinished_requests() and not transfer_outputs:
                 time.sleep(0.001)  # only transfers in flight: poll, do not spin

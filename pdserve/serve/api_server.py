@@ -3,7 +3,8 @@
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics and, with
 --enable-debug-routes, /debug/kv. The engine is built in the background after the socket is open, so /health
 answers 503 until start-up is done. SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to
---shutdown-timeout seconds, abort the rest, stop the engine loop, exit 0.
+--shutdown-timeout seconds, abort the rest; a P/D producer then serves its open KV leases until decode nodes
+confirm them or they expire, within the same timeout; stop the engine loop, exit 0.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class ServerState:
         self.serving: Optional[OpenAIServing] = None
         self.created = int(time.time())
         self.startup_failed = False
+        self.drain: Optional[asyncio.Future] = None  # started by the first SIGTERM/SIGINT
 
     async def on_engine_ready(self, server=None) -> None:
         try:
@@ -90,6 +92,8 @@ def build_app(state: ServerState) -> FastAPI:
         watcher = asyncio.ensure_future(state.on_engine_ready(app.state.uvicorn_server))
         yield
         watcher.cancel()
+        if state.drain is not None:  # a P keeps serving open KV leases after its last HTTP request ended
+            await state.drain
         await state.engine.shutdown()
 
     app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -171,13 +175,15 @@ class _Server:
     def make(config, state: ServerState):
         import uvicorn
 
+        def start_drain():
+            state.drain = asyncio.ensure_future(state.engine.drain(state.cfg.shutdown_timeout))
+
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
                 if not self.should_exit and self._loop is not None:
                     logger.info("received %s: draining (up to %.1f s)", signal.Signals(sig).name,
                                 state.cfg.shutdown_timeout)
-                    self._loop.call_soon_threadsafe(
-                        lambda: asyncio.ensure_future(state.engine.drain(state.cfg.shutdown_timeout)))
+                    self._loop.call_soon_threadsafe(start_drain)
                 super().handle_exit(sig, frame)
 
             async def serve(self, sockets=None):

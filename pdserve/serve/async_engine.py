@@ -126,7 +126,9 @@ class AsyncEngine:
         self._fail_all("the server is shutting down")
 
     async def drain(self, timeout: float) -> None:
-        """Stop accepting; let in-flight requests finish for up to `timeout` s, then abort those left."""
+        """Stop accepting; let in-flight requests finish for up to `timeout` s, then abort those left. A P/D
+        producer then keeps serving its open KV leases (decode nodes still pulling what it prefilled) until each is
+        confirmed or expired, within the same `timeout`: the KV server runs until the engine loop stops."""
         self.accepting = False
         deadline = time.monotonic() + timeout
         if self._reqs:
@@ -139,6 +141,24 @@ class AsyncEngine:
             end = time.monotonic() + 5.0
             while self._reqs and time.monotonic() < end:
                 await asyncio.sleep(0.05)
+        if self.ready and self.info.has_kv_connector:
+            try:
+                await self._drain_leases(deadline)
+            except Exception as e:  # the engine went away meanwhile: nothing left to serve
+                logger.warning("KV leases not drained: %s", e)
+
+    async def _drain_leases(self, deadline: float) -> None:
+        leases = await self.query("leases")
+        if not leases:
+            return
+        logger.info("waiting up to %.1f s for %d open KV lease(s)", max(deadline - time.monotonic(), 0.0), leases)
+        while leases and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            leases = await self.query("leases")
+        if leases:
+            logger.warning("shutdown timeout: dropping %d open KV lease(s)", leases)
+        else:
+            logger.info("all KV leases ended")
 
     # ------------------------------------------------------------------ engine -> event loop
 

@@ -31,6 +31,7 @@ class TokenRecord:
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
     rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
+    timing: Optional[dict] = None  # on the record with the first token: seconds by stage, see `_timing`
 
 
 @dataclass
@@ -50,8 +51,20 @@ class EngineInfo:
     has_kv_connector: bool
 
 
+def _timing(m) -> Optional[dict]:
+    """Where the engine's time to first token went: queue (arrival to first scheduled, the KV wait taken out),
+    kv_transfer (P/D consumer: waiting for the remote KV), prefill (first scheduled to first token: the prefill,
+    or on D the one-token replay) and ttft (arrival to first token, the sum)."""
+    if m is None or m.first_token_time is None or m.first_scheduled_time is None:
+        return None
+    kv = getattr(m, "kv_transfer_time", 0.0)
+    return {"queue": max(m.first_scheduled_time - m.arrival_time - kv, 0.0), "kv_transfer": kv,
+            "prefill": m.first_token_time - m.first_scheduled_time, "ttft": m.first_token_time - m.arrival_time}
+
+
 def _record(out) -> TokenRecord:
     c = out.outputs[0]
+    first = bool(c.delta_token_ids) and len(c.token_ids) == len(c.delta_token_ids)
     lps = None
     if c.logprobs is not None and c.delta_token_ids:
         lps = []
@@ -61,7 +74,7 @@ def _record(out) -> TokenRecord:
             lps.append([(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2]))
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
-                       getattr(out, "kv_transfer_params", None))
+                       getattr(out, "kv_transfer_params", None), timing=_timing(out.metrics) if first else None)
 
 
 class EngineCore:
@@ -103,6 +116,9 @@ class EngineCore:
             return
         for rid in list(eng.scheduler.requests):  # stopped with requests left: free them
             eng.abort_request(rid)
+        kv = self._q_kv()  # what a drain left behind: leases no decode node confirmed, or a broken pool
+        logger.info("engine stopped: %d KV blocks in use (%d leased), invariants %s", kv["used_blocks"],
+                    kv.get("leased_blocks", 0), "ok" if kv["invariants_ok"] else kv["invariant_error"])
         if hasattr(eng, "shutdown"):
             eng.shutdown()  # the KV connector's server and threads, if any
 
@@ -149,6 +165,10 @@ class EngineCore:
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer}
+
+    def _q_leases(self) -> int:
+        """P/D producer: finished prefills whose KV a decode node may still read."""
+        return len(self.engine.scheduler.leased)
 
     def _q_kv(self) -> dict:
         eng = self.engine

@@ -74,6 +74,7 @@ class ResponseBuilder:
         self.error: Optional[str] = None
         self.kv_transfer_params: Optional[dict] = None
         self.rejected = False
+        self.timing: Optional[dict] = None  # the engine's TTFT split, from the first token's record
         self._offset = 0
         self._role_sent = False
 
@@ -83,6 +84,7 @@ class ResponseBuilder:
         if rec.logprobs:
             self.logprob_entries.extend(rec.logprobs)
         self.num_cached = rec.num_cached_tokens or self.num_cached
+        self.timing = self.timing or rec.timing
         if rec.finished:
             self.finish_reason, self.stop_reason, self.error = rec.finish_reason, rec.stop_reason, rec.error
             self.kv_transfer_params = rec.kv_transfer_params

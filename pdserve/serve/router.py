@@ -2,15 +2,30 @@
 
 Lifecycle of a request:
 1. the client's body is parsed (400 on bad JSON); `X-Request-Id` is taken or made, and carried to P and D;
-2. step 1, to a healthy P (round-robin or least-loaded): the same request with `max_tokens=1`, `stream=false`,
-   `ignore_eos=true`, no stop conditions, `kv_transfer_params={"do_remote_decode": true}`; a P that fails before
-   answering (connection error, 5xx) is retried on another P; a one-token token-id prompt skips P;
+2. step 1, to a healthy P (round-robin, or least-loaded with ties taken in turn): the same request with
+   `max_tokens=1`, `stream=false`, `ignore_eos=true`, no stop conditions, `kv_transfer_params={"do_remote_decode":
+   true}`; a P that fails before answering (connection error, 5xx) is retried on another P; a one-token token-id
+   prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
+   params and D prefills it);
 3. step 2, to a D: the original request plus P's returned `kv_transfer_params` and the router's proof (an HMAC of
    the params with the KV token, which D checks); a P answer without params (nothing to hand over) sends the
    original request to D alone, which prefills it locally;
 4. D's response, streamed or not, goes back to the client unchanged.
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
-answers again. `/metrics` has the router's TTFT split: P round trip, D's first token after it, and the total.
+answers again.
+
+`/metrics` has `pdserve_router_ttft_seconds{stage}`, the time to first token of each request split by where it went.
+Each node reports its own part in a `Server-Timing` header (`queue`, `kv_transfer`, `prefill`, `ttft`, in ms; a D
+holds a P/D stream's headers until its first token for this), so every stage is a difference of one clock's times
+and no clocks need to agree across hosts:
+- router_to_prefill: P's round trip less P's prefill (the hops, HTTP, P's queue; retries on other Ps included);
+- prefill: P's prefill compute (its first scheduled step to its token);
+- kv_transfer: D waiting for the prompt KV (pull started to pull seen done);
+- decode_queue: D's arrival to its first scheduled step, less kv_transfer;
+- first_token: the rest of `total` (router -> D, D's one-token replay or its local prefill, the first chunk back);
+- total: the client's view: the router's arrival to D's first body chunk. A non-streamed answer has no first
+  chunk, so there total = router -> D sent + D's own `ttft`.
+Stages a request did not pass (no P asked, no KV handed over) are not observed.
 """
 from __future__ import annotations
 
@@ -52,9 +67,10 @@ class Pool:
         live = [n for n in self.nodes if n.healthy and n not in exclude]
         if not live:
             return None
-        if self.policy == "least-loaded":
-            return min(live, key=lambda n: n.in_flight)
-        return live[next(self._rr) % len(live)]
+        i = next(self._rr) % len(live)
+        if self.policy == "least-loaded":  # ties in turn, or a lightly loaded pool would send all to the first
+            return min(live[i:] + live[:i], key=lambda n: n.in_flight)
+        return live[i]
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -70,10 +86,9 @@ class Router:
         self.health_interval = health_interval
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("pdserve_router_ttft_seconds", "Router-side time to first token, by stage: "
-                              "prefill (router -> P -> router, prefill and KV lease included), decode_first_token "
-                              "(D's KV pull, queue and first token after P answered), total.", ["stage"],
-                              registry=self.registry,
+        self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token by stage: router_to_prefill, "
+                              "prefill, kv_transfer, decode_queue, first_token (these add up to total), and total.",
+                              ["stage"], registry=self.registry,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
     async def health_loop(self) -> None:
@@ -89,8 +104,9 @@ class Router:
                 node.healthy = ok
             await asyncio.sleep(self.health_interval)
 
-    async def _prefill(self, path: str, body: dict, headers: dict) -> tuple[Optional[dict], Optional[Response]]:
-        """P's kv_transfer_params (None: nothing to hand over), or an error response for the client."""
+    async def _prefill(self, path: str, body: dict, headers: dict) -> tuple[Optional[dict], dict, Optional[Response]]:
+        """(P's kv_transfer_params or None: nothing to hand over, P's Server-Timing, an error response for the
+        client or None)."""
         p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
         p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
         tried: tuple = ()
@@ -107,9 +123,29 @@ class Router:
             if r.status_code >= 500:
                 continue
             if r.status_code != 200:  # the client's mistake: P's 4xx goes back as it is
-                return None, Response(r.content, r.status_code, media_type="application/json")
-            return r.json().get("kv_transfer_params"), None
-        return None, None  # no P left: D prefills locally
+                return None, {}, Response(r.content, r.status_code, media_type="application/json")
+            return r.json().get("kv_transfer_params"), parse_server_timing(r.headers.get("server-timing")), None
+        return None, {}, None  # no P left: D prefills locally
+
+    def _observe(self, total: float, p_round_trip: Optional[float], p: dict, d: dict, handed_over: bool) -> None:
+        """One request's TTFT split. `p`, `d`: P's and D's Server-Timing ({} when absent); `handed_over`: D got
+        P's KV params. first_token is the remainder, so the stages observed add up to `total`."""
+        stages = {"total": total}
+        rest = total
+        if p_round_trip is not None:
+            rest -= p_round_trip
+            if "prefill" in p:
+                stages["prefill"] = p["prefill"]
+                stages["router_to_prefill"] = max(p_round_trip - p["prefill"], 0.0)
+        if handed_over and "kv_transfer" in d:
+            stages["kv_transfer"] = d["kv_transfer"]
+            rest -= d["kv_transfer"]
+        if "queue" in d:
+            stages["decode_queue"] = d["queue"]
+            rest -= d["queue"]
+        stages["first_token"] = max(rest, 0.0)
+        for stage, seconds in stages.items():
+            self.ttft.labels(stage).observe(seconds)
 
     async def handle(self, request: Request, path: str) -> Response:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -126,11 +162,11 @@ class Router:
         t0 = time.monotonic()
         prompt = body.get("prompt")
         one_token = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int)
-        params, err = (None, None) if one_token else await self._prefill(path, body, headers)
+        params, p_timing, err = (None, {}, None) if one_token else await self._prefill(path, body, headers)
         if err is not None:
             return err
-        t_prefill = time.monotonic()
-        self.ttft.labels("prefill").observe(t_prefill - t0)
+        t_d = time.monotonic()
+        p_round_trip = None if one_token else t_d - t0
         d_body = dict(body)
         if params:
             d_body["kv_transfer_params"] = sign_params(params, self.kv_token)
@@ -144,16 +180,19 @@ class Router:
         except httpx.HTTPError as e:
             node.in_flight -= 1
             return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
-        first = [True]
+        ok = upstream.status_code == 200
+        d_timing = parse_server_timing(upstream.headers.get("server-timing"))
+        if ok and not body.get("stream") and "ttft" in d_timing:
+            # A whole answer: the router never sees the first token, D's own TTFT stands in for it.
+            self._observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
+        first = [ok and bool(body.get("stream"))]
 
         async def relay():
             try:
                 async for chunk in upstream.aiter_raw():
                     if first[0]:
                         first[0] = False
-                        now = time.monotonic()
-                        self.ttft.labels("decode_first_token").observe(now - t_prefill)
-                        self.ttft.labels("total").observe(now - t0)
+                        self._observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
                     yield chunk
             finally:
                 node.in_flight -= 1
@@ -162,6 +201,21 @@ class Router:
         media = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
                                  headers={"X-Request-Id": rid})
+
+
+def parse_server_timing(header: Optional[str]) -> dict[str, float]:
+    """{name: seconds} from a `Server-Timing` header (`name;dur=<ms>, ...`); parts without a duration are skipped."""
+    out = {}
+    for part in (header or "").split(","):
+        name, *params = (x.strip() for x in part.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key == "dur":
+                try:
+                    out[name] = float(value) / 1000
+                except ValueError:
+                    pass
+    return out
 
 
 def build_app(router: Router) -> FastAPI:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +30,14 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def server_timing(timing: Optional[dict]) -> dict:
+    """A `Server-Timing` header (`name;dur=<ms>`, RFC's format) from the first token's engine timing
+    (engine_core._timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it."""
+    if not timing:
+        return {}
+    return {"Server-Timing": ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())}
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, info: ModelInfo):
         self.engine = engine
@@ -46,23 +55,46 @@ class OpenAIServing:
                     greq.params.max_tokens, greq.stream)
         gen = self.engine.stream(st)
         if greq.stream:
-            first = None
-            if greq.kv_transfer_params is not None:  # the engine checks these: wait for its verdict (one step)
-                first = await self._first(gen)
+            first, headers = None, _SSE_HEADERS
+            if greq.kv_transfer_params is not None:
+                # P/D (the router's request): hold the headers until the first token, so they carry the timing
+                # (KV transfer, queue) and an error before it gets a real status; the body is the same.
+                first = await self._first(gen, request)
+                if first is None:
+                    return Response(status_code=499)
+                headers = {**headers, **server_timing(next((r.timing for r in first if r.timing), None))}
             return StreamingResponse(self._stream(gen, builder, echo, first), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
+                                     headers=headers)
         return await self._full(gen, builder, echo, request)
 
     @staticmethod
-    async def _first(gen) -> list:
+    async def _first(gen, request: Request) -> Optional[list]:
+        """The records up to the first token or the end; None if the client went away first (aborted)."""
+        async def until_first():
+            recs = []
+            while not recs or not (recs[-1].finished or recs[-1].new_token_ids):
+                recs += await gen.__anext__()
+            return recs
+
+        task = asyncio.ensure_future(until_first())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            recs = await gen.__anext__()
-        except BaseException:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():  # cancelling the generator's wait aborts the request (see AsyncEngine.stream)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled() or task.exception() is not None:
+            await gen.aclose()  # a no-op after a cancel: the generator's own exit sent the abort
+            return None if task.cancelled() else task.result()  # (re-raises)
+        recs = task.result()
+        last = recs[-1]
+        if last.finished and last.finish_reason == "error":
             await gen.aclose()
-            raise
-        if recs[-1].finished and recs[-1].rejected:
-            await gen.aclose()
-            raise APIError(400, recs[-1].error or "request refused", "kv_transfer_params")
+            if last.rejected:
+                raise APIError(400, last.error or "request refused", "kv_transfer_params")
+            raise APIError(500, f"the request failed: {last.error or 'engine error'}")
         return recs
 
     def _echo_prefix(self, greq: GenerationRequest) -> str:
@@ -96,7 +128,7 @@ class OpenAIServing:
                 raise APIError(400, builder.error or "request refused", "kv_transfer_params")
             raise APIError(500, f"the request failed: {builder.error or 'engine error'}")
         logger.info("finished: %s, %d tokens", builder.finish_reason, len(builder.token_ids))
-        return JSONResponse(builder.full(echo))
+        return JSONResponse(builder.full(echo), headers=server_timing(builder.timing))
 
     async def _stream(self, gen, builder: ResponseBuilder, echo: str, first_recs=None):
         async with aclosing(gen):

@@ -1,19 +1,22 @@
 """P/D over HTTP with 2 P + 2 D behind two routers (round-robin, least-loaded): load spread, the router's TTFT split,
-a client abort mid-decode, P draining open leases on SIGTERM, P restarted on the same address, and a drain that
-times out. One deployment for the module (float64, so greedy tokens do not depend on how requests were batched);
+a client abort mid-decode and while D waits for KV, D's full prefix hit, P draining open leases on SIGTERM, P
+restarted on the same address, and a drain that times out. One deployment for the module (float64, so greedy tokens do not depend on how requests were batched);
 the tests run in file order and the later ones stop and restart P2. Each ends with every pool whole."""
 from __future__ import annotations
 
 import itertools
 import json
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from pdserve.serve.router import Pool, parse_server_timing
 from pdserve.transfer.proof import sign_params
+from pdserve.transfer.tcp import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, complete, free_port, kv_config, kv_state,
                                   metric, metrics, wait_pools_whole)
 
@@ -64,6 +67,15 @@ def kv_failures(dep, *names) -> float:
 
 def reference(dep, prompt, max_tokens=8) -> str:
     return complete(dep["C"].url, prompt, max_tokens=max_tokens)
+
+
+def test_router_units():
+    assert parse_server_timing("queue;dur=1.5, kv_transfer;dur=20, x;desc=y, ttft;dur=bad") == \
+        {"queue": 0.0015, "kv_transfer": 0.02}
+    pool = Pool([type("N", (), {"healthy": True, "in_flight": 0})() for _ in range(3)], "least-loaded")
+    assert len({id(pool.pick()) for _ in range(3)}) == 3  # idle nodes are taken in turn, not always the first
+    pool.nodes[1].in_flight = 1
+    assert all(pool.pick() is not pool.nodes[1] for _ in range(4))
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded"])
@@ -218,3 +230,31 @@ def test_zz_drain_timeout_drops_unclaimed_lease(dep):
     assert decode_directly(d2, PROMPTS[11], params) == reference(dep, PROMPTS[11])
     assert kv_failures(dep, "D2") == failures + 1
     pools_whole(dep, "P1", "D1", "D2")
+
+
+def test_zz_client_abort_while_decode_waits_for_kv(dep):
+    """After P2 is gone, a silent listener takes its KV port: D2 dials it and waits for the handshake; the client
+    goes away meanwhile. D2 aborts the request at once (it held the response headers, watching for the
+    disconnect) and frees its blocks when the load times out."""
+    d2 = dep["D2"]
+    kv_port = json.loads(dep["P2"].args[dep["P2"].args.index("--kv-transfer-config") + 1])["kv_port"]
+    prompt = list(range(100, 140))
+    params = sign_params({"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t",
+                          "remote_engine_id": "P2", "remote_request_id": "r", "remote_host": "127.0.0.1",
+                          "remote_port": kv_port, "remote_block_ids": [1, 2, 3], "num_prompt_tokens": len(prompt),
+                          "prompt_hash": prompt_hash(prompt)}, KV_TOKEN)
+    m = metrics(d2.url)
+    aborts = metric(m, "pdserve_request_success_total", finished_reason="abort")
+    timeouts = metric(m, "pdserve_kv_transfer_failures_total", reason="timeout")
+    with socket.create_server(("127.0.0.1", kv_port)):
+        body = {"model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": 4, "stream": True,
+                "kv_transfer_params": params}
+        with pytest.raises(httpx.ReadTimeout):  # no headers before the first token
+            httpx.post(d2.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        deadline = time.monotonic() + 5
+        while metric(d2.url, "pdserve_request_success_total", finished_reason="abort") == aborts:
+            assert time.monotonic() < deadline, "D did not abort the request"
+            time.sleep(0.05)
+        time.sleep(2.0)  # past kv_transfer_timeout (1.5 s): the loader reports, the held blocks go back
+    assert metric(d2.url, "pdserve_kv_transfer_failures_total", reason="timeout") == timeouts + 1
+    pools_whole(dep, "D2")

@@ -28,6 +28,15 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    # a P/D consumer's KV load: from its start to the poll that saw it end, done or failed
+    kv_load_start_time: Optional[float] = None
+    kv_load_end_time: Optional[float] = None
+
+    @property
+    def kv_transfer_time(self) -> float:
+        if self.kv_load_start_time is None or self.kv_load_end_time is None:
+            return 0.0
+        return self.kv_load_end_time - self.kv_load_start_time
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -25,20 +24,6 @@ from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 logger = logging.getLogger("pdserve.engine")
 
 Prompt = Union[str, list[int]]
-
-
-@dataclass
-class EngineRequestMetrics(RequestMetrics):
-    """RequestMetrics plus a P/D consumer's KV load span: from the load's start to the poll that saw it end (what
-    the request waited for its remote KV, done or failed)."""
-    kv_load_start_time: Optional[float] = None
-    kv_load_end_time: Optional[float] = None
-
-    @property
-    def kv_transfer_time(self) -> float:
-        if self.kv_load_start_time is None or self.kv_load_end_time is None:
-            return 0.0
-        return self.kv_load_end_time - self.kv_load_start_time
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,7 +58,7 @@ class LLMEngine:
         self.vocab_size = self.hf_config["vocab_size"]
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._released: dict[str, str] = {}
-        self._metrics: dict[str, EngineRequestMetrics] = {}
+        self._metrics: dict[str, RequestMetrics] = {}
         self._prompts: dict[str, Optional[str]] = {}
         self._counter = 0
 
@@ -121,7 +106,7 @@ class LLMEngine:
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids)
         self._released[request_id] = ""
-        self._metrics[request_id] = EngineRequestMetrics(req.arrival_time)
+        self._metrics[request_id] = RequestMetrics(req.arrival_time)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return req
 

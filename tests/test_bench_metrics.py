@@ -9,6 +9,7 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.datasets import jsonl_dataset, random_dataset
 from pdserve.bench.metrics import RequestResult, compute_metrics, parse_goodput, summarize
 from pdserve.bench.report import CPU_CAVEAT, format_table
+from pdserve.bench.server_metrics import GraphSnapshot, ttft_split_ms
 
 
 def req(ttft, gaps, tokens=None, prompt_len=10):
@@ -114,3 +115,16 @@ def test_table_compares_with_strict_on_gpu_and_only_pd_vs_collocated_on_cpu():
     gpu = format_table([dict(r, device="cuda") for r in rows])
     assert CPU_CAVEAT not in gpu and "15.00 (-25%)" in gpu and "10.00 (-50%)" in gpu  # against strict
     assert "20.00 (" not in gpu  # strict is the reference itself
+
+
+def test_server_counters_are_differenced_over_the_run():
+    from collections import Counter
+    before = GraphSnapshot(Counter({("FULL", "none"): 10, ("NONE", "prefill"): 4}), "cpu")
+    after = GraphSnapshot(Counter({("FULL", "none"): 40, ("NONE", "prefill"): 14, ("PIECEWISE", "too_many_tokens"): 0}),
+                          "cpu")
+    s = (after - before).summary()
+    assert (s["full_steps"], s["non_full_steps"]) == (30, 10) and s["non_full_share"] == pytest.approx(0.25)
+    assert s["non_full_reasons"] == {"prefill": 10}
+    split = ttft_split_ms({"kv_transfer": (1.0, 10), "total": (5.0, 10)},
+                          {"kv_transfer": (1.3, 13), "total": (5.6, 13), "prefill": (0.09, 3)})
+    assert split == pytest.approx({"kv_transfer": 100.0, "total": 200.0, "prefill": 30.0})

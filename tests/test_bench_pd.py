@@ -49,6 +49,8 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
             assert r["non_full_reasons"].get("prefill", 0) > 0, r
         if r["arm"] == "default":
             assert r["non_full_steps"] == 0 and r["full_steps"] > 0, r
+        if r["arm"] != "collocated":  # the router's TTFT split came along
+            assert {"prefill", "kv_transfer", "decode_queue", "total"} <= set(r["router_ttft_split_ms"]), r
     table = (tmp_path / "table.txt").read_text()
     assert table in out and "device=cpu" in table
     data_lines = [line for line in table.splitlines() if line.startswith("48/12")]

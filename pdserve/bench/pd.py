@@ -84,7 +84,8 @@ def _row(arm: str, rate: float, r: dict) -> dict:
             "non_full_steps": g.get("non_full_steps"), "full_steps": g.get("full_steps"),
             "non_full_reasons": g.get("non_full_reasons", {}), "device": g.get("device", ""),
             "mean_tpot_ms": r["tpot_ms"]["mean"], "p99_tpot_ms": r["tpot_ms"]["p99"], "p99_itl_ms": r["itl_ms"]["p99"],
-            "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"]}
+            "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"],
+            "router_ttft_split_ms": r.get("router_ttft_split_ms")}
 
 
 def run_bench_pd(args) -> int:
@@ -116,9 +117,11 @@ def run_bench_pd(args) -> int:
                 result = run_bench_serve(_serve_args(args, dep.url, model, rate, args.warmup if i == 0 else 0, save),
                                          quiet=True)
                 rows.append(_row(arm, rate, result))
+                split = result.get("router_ttft_split_ms") or {}
+                where = ", ".join(f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue") if k in split)
                 print(f"[bench pd] {arm} @ {rate:g} req/s: {result['completed']} ok, {result['failed']} failed, "
-                      f"median TTFT {result['ttft_ms']['median']:.1f} ms, p99 ITL {result['itl_ms']['p99']:.1f} ms",
-                      flush=True)
+                      f"median TTFT {result['ttft_ms']['median']:.1f} ms{f' (mean ms: {where})' if where else ''}, "
+                      f"p99 ITL {result['itl_ms']['p99']:.1f} ms", flush=True)
             killed = dep.stop()
             dep = None
             if killed:

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import RequestSpec, send_request
 from pdserve.bench.datasets import jsonl_dataset, random_dataset
-from pdserve.bench.graph_share import format_share, metric_targets, scrape
+from pdserve.bench.server_metrics import (format_share, format_ttft_split, metric_targets, scrape, scrape_ttft_stages,
+                                          ttft_split_ms)
 from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput
 
 
@@ -155,11 +156,11 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
         if not any(r.success for r in warm_results):
             raise RuntimeError(f"every warm-up request failed: {warm_results[0].error}")
     targets = metric_targets(args.base_url)
-    before = scrape(targets)
+    before, stages_before = scrape(targets), scrape_ttft_stages(args.base_url)
     gc.collect()
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
     results, duration = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
-    after = scrape(targets)
+    after, split = scrape(targets), ttft_split_ms(stages_before, scrape_ttft_stages(args.base_url))
     metrics = compute_metrics(results, duration, slos)
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:
@@ -169,12 +170,15 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
         print(format_metrics(metrics))
         if graph is not None:
             print(format_share(graph))
+        if split:
+            print(format_ttft_split(split))
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "endpoint": args.endpoint,
            "model": model, "dataset": args.dataset, "num_prompts": args.num_prompts,
            "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
            "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), "graph": graph,
+           "router_ttft_split_ms": split,
            "per_request": {"prompt_lens": [r.prompt_len for r in results],
                            "output_lens": [r.output_tokens for r in results],
                            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],

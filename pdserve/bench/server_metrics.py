@@ -1,8 +1,8 @@
-"""The run's share of non-FULL decode-graph steps, from the servers' `pdserve_cudagraph_steps_total` counters.
-
-Behind a pdserve router the counters that matter are the decode nodes' (the router lists them at `/nodes`); a
-single server is scraped directly. Counters are read before and after the run and subtracted, so warm-up and
-earlier traffic do not count."""
+"""What a pdserve target says about a run, from its Prometheus counters read before and after it (so warm-up and
+earlier traffic do not count):
+- the share of non-FULL decode-graph steps, from `pdserve_cudagraph_steps_total`: behind a router the counters that
+  matter are the decode nodes' (the router lists them at `/nodes`); a single server is scraped directly;
+- behind a router, the mean time to first token by stage, from `pdserve_router_ttft_seconds{stage}`."""
 from __future__ import annotations
 
 from collections import Counter
@@ -47,16 +47,19 @@ def metric_targets(base_url: str, timeout: float = 5.0) -> list[str]:
     return [base_url]
 
 
+def _families(url: str, timeout: float) -> list:
+    try:
+        r = httpx.get(url + "/metrics", timeout=timeout)
+        return list(text_string_to_metric_families(r.text)) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text: nothing of ours there
+        return []
+
+
 def scrape(urls: list[str], timeout: float = 5.0) -> Optional[GraphSnapshot]:
     """None when no target exposes the graph counters (e.g. another engine)."""
     steps, device, found = Counter(), "", False
     for url in urls:
-        try:
-            r = httpx.get(url + "/metrics", timeout=timeout)
-            families = list(text_string_to_metric_families(r.text)) if r.status_code == 200 else []
-        except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text: no graph counters there
-            continue
-        for fam in families:
+        for fam in _families(url, timeout):
             if fam.name == STEPS:
                 found = True
                 for s in fam.samples:
@@ -72,3 +75,34 @@ def format_share(s: dict) -> str:
     return (f"{'Decode graph steps':-^60}\n{'FULL steps:':<44}{s['full_steps']:>16}\n"
             f"{'Non-FULL steps:':<44}{s['non_full_steps']:>16}\n"
             f"{'Non-FULL share (%):':<44}{100 * s['non_full_share']:>16.1f}\n{'Non-FULL reasons:':<20}{reasons:>40}")
+
+
+def scrape_ttft_stages(base_url: str, timeout: float = 5.0) -> Optional[dict]:
+    """stage -> (sum of seconds, count) of a router's TTFT split; None for a target that is not a pdserve router."""
+    stages: dict = {}
+    for fam in _families(base_url, timeout):
+        if fam.name == "pdserve_router_ttft_seconds":
+            for s in fam.samples:
+                stage = s.labels.get("stage")
+                if s.name.endswith(("_sum", "_count")) and stage:
+                    total, n = stages.get(stage, (0.0, 0))
+                    stages[stage] = (total + s.value, n) if s.name.endswith("_sum") else (total, n + int(s.value))
+    return stages or None
+
+
+def ttft_split_ms(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """Mean milliseconds per stage over the run's requests (those that passed the stage)."""
+    if after is None:
+        return None
+    out = {}
+    for stage, (total, n) in after.items():
+        t0, n0 = (before or {}).get(stage, (0.0, 0))
+        if n > n0:
+            out[stage] = 1000.0 * (total - t0) / (n - n0)
+    return out
+
+
+def format_ttft_split(split: dict) -> str:
+    order = ("router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "total")
+    rows = [f"{f'Mean {k} (ms):':<44}{split[k]:>16.2f}" for k in order if k in split]
+    return "\n".join([f"{'Router TTFT split':-^60}", *rows])

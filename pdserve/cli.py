@@ -109,15 +109,14 @@ def _bench_parser(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    if args.bench_command == "serve":
-        from pdserve.bench.serve import run_bench_serve
-        result = run_bench_serve(args)
-        return 0 if result["failed"] == 0 else 1
     from pdserve.bench.pd import run_bench_pd
+    from pdserve.bench.serve import run_bench_serve
     try:
+        if args.bench_command == "serve":
+            return 0 if run_bench_serve(args)["failed"] == 0 else 1
         return run_bench_pd(args)
-    except (RuntimeError, TimeoutError) as e:  # a deployment that would not start: its log tail says why
-        print(f"pdserve bench pd: {e}", file=sys.stderr)
+    except (RuntimeError, TimeoutError) as e:  # a target that fails every warm-up, an arm that would not start
+        print(f"pdserve bench {args.bench_command}: {e}", file=sys.stderr)
         return 1
 
 

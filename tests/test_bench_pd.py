@@ -9,6 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.server_harness import REPO
 
 
@@ -63,7 +65,10 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     assert lens["collocated"] == lens["strict"] == lens["default"] == [12] * 6
 
 
-def test_ctrl_c_leaves_no_process(qwen3_tiny, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
+def test_interrupted_bench_leaves_no_process(qwen3_tiny, tmp_path, sig):
+    """Ctrl-C and SIGTERM go through the bench's teardown; SIGKILL leaves it to the children's parent-death
+    signal."""
     marker = uuid.uuid4().hex
     proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms", "strict", "--rates", "0.2",
                        "--num-prompts", "50", "--random-input-len", "16", "--random-output-len", "4")
@@ -74,12 +79,12 @@ def test_ctrl_c_leaves_no_process(qwen3_tiny, tmp_path):
                 break
         time.sleep(1.0)
         assert len(marked_pids(marker)) >= 4  # bench, router, P, D
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130
+        proc.send_signal(sig)
+        assert proc.wait(30) == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while marked_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not marked_pids(marker)

@@ -7,7 +7,6 @@ import time
 import httpx
 import pytest
 
-from pdserve.bench.arrivals import arrival_offsets
 from tests.server_harness import REPO, free_port
 
 
@@ -50,9 +49,8 @@ def test_client_keeps_up_at_200_req_per_s(null_server, tmp_path):
     assert res["completed"] == 1000 and res["failed"] == 0
     assert res["total_output_tokens"] == 2000  # from the usage chunk
     assert res["request_throughput"] == pytest.approx(200, rel=0.05), res["request_throughput"]
-    sched = arrival_offsets(1000, 200.0, 1.0, 0)  # the seed's own draw: the client keeps to it within 1%
-    assert res["request_throughput"] == pytest.approx(1000 / sched[-1], rel=0.01)
     assert res["ttft_ms"]["p99"] < 5.0, res["ttft_ms"]
+    assert res["send_lag_ms"]["p99"] < 5.0, res["send_lag_ms"]  # every request left on schedule
     assert "Serving Benchmark Result" in r.stdout and "Successful requests:" in r.stdout
     assert res["graph"] is None and "Decode graph steps" not in r.stdout  # a target without pdserve's counters
 

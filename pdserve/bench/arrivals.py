@@ -9,7 +9,7 @@ import numpy as np
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Seconds from the start at which each of `n` requests is sent.
 
-    The gaps have mean 1/rate whatever the burstiness: shape = burstiness, scale = 1/(rate * burstiness); lower
+    Gaps are gamma(shape = burstiness, scale = 1/(rate * burstiness)), mean 1/rate whatever the burstiness; lower
     burstiness means burstier traffic. rate = inf sends everything at once."""
     if n <= 0:
         return []
@@ -20,5 +20,8 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     if rate <= 0:
         raise ValueError("--request-rate must be > 0 (or inf)")
     gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
-    gaps[0] = 0.0  # the first request goes at once: the run's duration then measures n-1 gaps
-    return np.cumsum(gaps).tolist()
+    gaps[0] = 0.0  # the first request goes at once
+    t = np.cumsum(gaps)
+    if n > 1:  # as vLLM: rescale so the last send lands at n/rate; the gaps' shape (burstiness) is kept
+        t *= (n / rate) / t[-1]
+    return t.tolist()

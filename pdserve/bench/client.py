@@ -39,6 +39,8 @@ def build_payload(spec: RequestSpec) -> dict:
 
 
 def _content(chunk: dict) -> str:
+    """The text a chunk carries. Chunks without any (a chat role delta, the usage chunk, an empty text held back
+    by the server's detokenizer) are not tokens for TTFT and ITL."""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -52,7 +54,7 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokeni
     res = RequestResult(prompt_len=spec.prompt_len)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     text, usage, chunks = [], None, 0
-    start = last = time.perf_counter()
+    start = last = res.start = time.perf_counter()
     try:
         async with session.post(spec.url + spec.endpoint, json=build_payload(spec), headers=headers) as resp:
             if resp.status != 200:
@@ -71,8 +73,11 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokeni
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"not a JSON object: {data[:80]!r}")
                 if "error" in chunk:
-                    res.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                    err = chunk["error"]
+                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                     return res
                 usage = chunk.get("usage") or usage
                 piece = _content(chunk)
@@ -85,8 +90,8 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokeni
                     res.itl.append(now - last)
                 last, chunks = now, chunks + 1
                 text.append(piece)
-        res.latency = time.perf_counter() - start
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        res.latency = last - start  # vLLM's E2EL: to the last content chunk, not to [DONE]
+    except Exception as e:  # one request's failure is counted, never the run's end
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.generated_text = "".join(text)
@@ -96,7 +101,7 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokeni
         res.output_tokens = len(tokenizer.encode(res.generated_text, add_special_tokens=False))
     else:
         res.output_tokens = chunks
-    res.success = chunks > 0 or res.output_tokens > 0
+    res.success = chunks > 0
     if not res.success:
-        res.error = "empty response"
+        res.error = "no content chunk received"
     return res

@@ -25,11 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+try:  # loaded here, not in the forked child: dlopen after fork in a threaded process can deadlock
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None  # not Linux: the orchestrator's own teardown still runs
+
+
 def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the orchestrator's finally/atexit teardown still runs
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the bench died before prctl took effect
+            os._exit(1)
 
 
 def group_alive(pgid: int) -> bool:
@@ -107,14 +113,15 @@ class Deployment:
         return killed
 
 
-def launch(arm: str, model: str, log_dir: Path, server_args: list[str], token: str) -> Deployment:
-    """`collocated`, or a 1P1D arm named by D's full-graph rule (`strict`, `default`, `prompt-tail`, ...)."""
-    dep = Deployment(arm, log_dir)
+def launch(dep: Deployment, model: str, server_args: list[str], token: str) -> None:
+    """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`).
+    Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
+    arm = dep.arm
     env = {"PDSERVE_KV_TOKEN": token}  # via the environment: never on a command line others can read
     serve = ["serve", model, *server_args]
     if arm == "collocated":
         dep.url = dep.spawn("server", serve, free_port(), env)
-        return dep
+        return
     kv_port = free_port()
     producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
@@ -123,4 +130,3 @@ def launch(arm: str, model: str, log_dir: Path, server_args: list[str], token: s
     d = dep.spawn("decode", [*serve, *rule, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
     dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--log-level", "warning"], free_port(),
                         env)
-    return dep

@@ -25,6 +25,7 @@ class RequestResult:
     latency: float = 0.0
     error: str = ""
     generated_text: str = ""
+    start: float = 0.0  # perf_counter at send: its lag behind the schedule says whether the client kept up
 
     @property
     def tpot(self) -> Optional[float]:

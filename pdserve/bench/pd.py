@@ -19,11 +19,13 @@ import signal
 import time
 from pathlib import Path
 
-from pdserve.bench.launcher import launch
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.launcher import Deployment, launch
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, run_bench_serve
+from pdserve.worker.cudagraph_dispatch import RULES
 
-ARMS = ("collocated", "strict", "default", "prompt-tail")
+ARMS = ("collocated", "default", *RULES)
 
 
 def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +33,7 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
                                                   "$PDSERVE_HOME, built if missing).")
     p.add_argument("--arms", default="collocated,strict,default",
                    help="Comma-separated arms: collocated, or a 1P1D deployment named by its decode node's "
-                        f"--full-graph-rule ({', '.join(ARMS[1:])}); 'default' is the default rule "
+                        f"--full-graph-rule ({', '.join(RULES)}), or 'default' for 1P1D without the flag "
                         "(default: collocated,strict,default).")
     p.add_argument("--rates", default="1,2,4,8", help="Comma-separated request rates in req/s (default: 1,2,4,8).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate and arm (default: 64).")
@@ -61,20 +63,28 @@ def _parse(args) -> tuple[list[str], list[float]]:
         raise ValueError(f"--rates: {args.rates!r} is not a comma-separated list of numbers") from None
     if not rates or any(not r > 0 for r in rates):
         raise ValueError("--rates: every rate must be > 0 (inf allowed)")
-    if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
+    for flag in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or not 0 <= args.random_range_ratio < 1:
+        raise ValueError("--warmup must be >= 0" if args.warmup < 0 else "--random-range-ratio must be in [0, 1)")
+    arrival_offsets(1, 1.0, args.burstiness)  # raises naming --burstiness
+    try:
+        args.server_args = shlex.split(args.server_args)
+    except ValueError as e:
+        raise ValueError(f"--server-args: {e}") from None
     return arms, rates
 
 
-def _serve_args(args, url: str, model: str, rate: float, warmup: int, save: Path) -> argparse.Namespace:
+def _serve_args(args, url: str, model: str, rate: float, seed: int, warmup: int, save: Path) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_bench_serve_args(p)
-    argv = ["--base-url", url, "--tokenizer", model, "--num-prompts", str(args.num_prompts),
-            "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
-            "--random-range-ratio", str(args.random_range_ratio), "--request-rate", str(rate),
-            "--burstiness", str(args.burstiness), "--seed", str(args.seed), "--warmup", str(warmup),
-            "--ignore-eos", "--save-result", str(save)]
-    return p.parse_args(argv + (["--disable-tqdm"] if args.disable_tqdm else []))
+    ns = p.parse_args([])  # bench serve's defaults, then this sweep point's values
+    ns.__dict__.update(base_url=url, tokenizer=model, num_prompts=args.num_prompts, request_rate=rate, seed=seed,
+                       random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+                       random_range_ratio=args.random_range_ratio, burstiness=args.burstiness, warmup=warmup,
+                       ignore_eos=True, save_result=str(save), disable_tqdm=args.disable_tqdm)
+    return ns
 
 
 def _row(arm: str, rate: float, r: dict) -> dict:
@@ -109,13 +119,16 @@ def run_bench_pd(args) -> int:
         for arm in arms:
             t0 = time.monotonic()
             print(f"[bench pd] {arm}: starting", flush=True)
-            dep = launch(arm, model, out / "logs", shlex.split(args.server_args), token)
+            dep = Deployment(arm, out / "logs")  # before any spawn: the finally sees every child started
+            launch(dep, model, args.server_args, token)
             dep.wait_healthy(args.ready_timeout)
             print(f"[bench pd] {arm}: healthy in {time.monotonic() - t0:.1f} s ({dep.url})", flush=True)
             for i, rate in enumerate(rates):
+                # Fresh prompts at every rate (and for the warm-up): a prompt seen before would be a prefix-cache
+                # hit, and its TTFT, transfer and graph steps would not be comparable with the first rate's.
                 save = out / f"{arm}_rate{rate:g}.json"
-                result = run_bench_serve(_serve_args(args, dep.url, model, rate, args.warmup if i == 0 else 0, save),
-                                         quiet=True)
+                result = run_bench_serve(_serve_args(args, dep.url, model, rate, args.seed + 1000 * i,
+                                                     args.warmup if i == 0 else 0, save), quiet=True)
                 rows.append(_row(arm, rate, result))
                 split = result.get("router_ttft_split_ms") or {}
                 where = ", ".join(f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue") if k in split)
@@ -130,8 +143,12 @@ def run_bench_pd(args) -> int:
         print("\n[bench pd] interrupted: stopping the deployment", flush=True)
         return 130
     finally:
+        # a second Ctrl-C or SIGTERM must not cut the teardown short
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if dep is not None:
             dep.stop(timeout=10.0)
+        signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old)
     table = format_table(rows)
     print(table)

@@ -14,7 +14,7 @@ def _reference(rows: list[dict], row: dict, on_gpu: bool) -> Optional[dict]:
     """On a GPU every arm is compared with the strict arm (the seed's 'before'); on CPU rule-vs-rule timing says
     nothing about graphs, so only P/D arms are compared, with collocated."""
     ref_arm = "strict" if on_gpu else "collocated"
-    if row["arm"] == ref_arm or (not on_gpu and row["arm"] == "collocated"):
+    if row["arm"] == ref_arm:
         return None
     return next((r for r in rows if r["arm"] == ref_arm and r["rate"] == row["rate"]), None)
 
@@ -27,6 +27,12 @@ def _cell(value: float, ref: Optional[float]) -> str:
     return f"{value:.2f} ({100 * (value - ref) / ref:+.0f}%)"
 
 
+def _share(share: float, ref: float) -> str:
+    if math.isnan(share):
+        return "n/a"
+    return f"{100 * share:.1f}%" + ("" if math.isnan(ref) else f" ({100 * (share - ref):+.1f} pp)")
+
+
 def format_table(rows: list[dict]) -> str:
     on_gpu = any(r["device"] == "cuda" for r in rows)
     device = "cuda" if on_gpu else (next((r["device"] for r in rows if r["device"]), "") or "unknown")
@@ -34,13 +40,15 @@ def format_table(rows: list[dict]) -> str:
     body = []
     for r in sorted(rows, key=lambda r: (r["isl"], r["osl"], r["rate"])):
         ref = _reference(rows, r, on_gpu)
-        share = r["non_full_share"]
+        share, ref_share = r["non_full_share"], ref["non_full_share"] if ref and on_gpu else math.nan
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["non_full_reasons"].items())) or "-"
         body.append([f"{r['isl']}/{r['osl']}", f"{r['rate']:g}", r["arm"] if r["arm"] == "collocated" else
-                     f"1P1D {r['arm']}", "n/a" if math.isnan(share) else f"{100 * share:.1f}%", reasons,
+                     f"1P1D {r['arm']}", _share(share, ref_share), reasons,
                      *(_cell(r[k], ref[k] if ref else None) for k, _ in TIMING), str(r["failed"])])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     out = [line(head), "-" * len(line(head))] + [line(b) for b in body]
     note = ("(%): change against the 1P1D strict arm at the same rate" if on_gpu else
             f"{CPU_CAVEAT}; (%): 1P1D against collocated at the same rate")

@@ -24,7 +24,7 @@ from pdserve.bench.client import RequestSpec, send_request
 from pdserve.bench.datasets import jsonl_dataset, random_dataset
 from pdserve.bench.server_metrics import (format_share, format_ttft_split, metric_targets, scrape, scrape_ttft_stages,
                                           ttft_split_ms)
-from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput
+from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput, summarize
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
@@ -99,10 +99,14 @@ def _tokenizer(args):
     if not Path(path).is_dir():
         raise ValueError(f"--tokenizer {path}: not a local directory (nothing is downloaded)")
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there ({e})") from None
 
 
 async def _run(specs: list[RequestSpec], offsets: list[float], args, tokenizer, desc: str):
+    """Results, the run's duration, and each send's lag behind its scheduled time (seconds)."""
     conn = aiohttp.TCPConnector(limit=args.max_concurrency or 0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -126,7 +130,40 @@ async def _run(specs: list[RequestSpec], offsets: list[float], args, tokenizer, 
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     bar.close()
-    return results, duration
+    return results, duration, [r.start - (t0 + off) for r, off in zip(results, offsets)]
+
+
+def _samples(args, tokenizer) -> list:
+    n = args.num_prompts + args.warmup
+    if args.dataset == "random":
+        return random_dataset(tokenizer, n, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                              args.seed)
+    try:
+        return jsonl_dataset(args.dataset_path, n, args.random_output_len, tokenizer)
+    except OSError as e:
+        raise ValueError(f"--dataset-path {args.dataset_path}: {e.strerror or e}") from None
+
+
+def _json_safe(x):
+    """NaN (a metric with no samples) becomes null: strict JSON readers reject NaN."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _print(args, model: str, metrics, graph, split) -> None:
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    print(f"target {args.base_url}{args.endpoint}  model {model}  request rate {rate}  "
+          f"burstiness {args.burstiness:g}  max concurrency {args.max_concurrency or 'none'}")
+    print(format_metrics(metrics))
+    if graph is not None:
+        print(format_share(graph))
+    if split:
+        print(format_ttft_split(split))
 
 
 def run_bench_serve(args, quiet: bool = False) -> dict:
@@ -136,13 +173,8 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     slos = parse_goodput(args.goodput)
     tokenizer = _tokenizer(args)
     model = _model_name(args)
-    if args.dataset == "random":
-        samples = random_dataset(tokenizer, args.num_prompts + args.warmup, args.random_input_len,
-                                 args.random_output_len, args.random_range_ratio, args.seed)
-    else:
-        samples = jsonl_dataset(args.dataset_path, args.num_prompts + args.warmup, args.random_output_len, tokenizer)
     specs = [RequestSpec(args.base_url, args.endpoint, model, s.prompt, s.prompt_len, s.output_len, args.ignore_eos,
-                         args.temperature, args.api_key) for s in samples]
+                         args.temperature, args.api_key) for s in _samples(args, tokenizer)]
     warm, specs = specs[:args.warmup], specs[args.warmup:]
     offsets = arrival_offsets(len(specs), args.request_rate, args.burstiness, args.seed)
     loop_run = asyncio.run
@@ -152,38 +184,34 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     except ImportError:
         pass
     if warm:
-        warm_results, _ = loop_run(_run(warm, [0.0] * len(warm), args, tokenizer, "warmup"))
+        warm_results = loop_run(_run(warm, [0.0] * len(warm), args, tokenizer, "warmup"))[0]
         if not any(r.success for r in warm_results):
-            raise RuntimeError(f"every warm-up request failed: {warm_results[0].error}")
+            raise RuntimeError(f"every warm-up request to {args.base_url} failed: {warm_results[0].error}")
     targets = metric_targets(args.base_url)
     before, stages_before = scrape(targets), scrape_ttft_stages(args.base_url)
     gc.collect()
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
-    results, duration = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
+    results, duration, lags = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
     after, split = scrape(targets), ttft_split_ms(stages_before, scrape_ttft_stages(args.base_url))
     metrics = compute_metrics(results, duration, slos)
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:
-        rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-        print(f"target {args.base_url}{args.endpoint}  model {model}  request rate {rate}  "
-              f"burstiness {args.burstiness:g}  max concurrency {args.max_concurrency or 'none'}")
-        print(format_metrics(metrics))
-        if graph is not None:
-            print(format_share(graph))
-        if split:
-            print(format_ttft_split(split))
+        _print(args, model, metrics, graph, split)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "endpoint": args.endpoint,
            "model": model, "dataset": args.dataset, "num_prompts": args.num_prompts,
            "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
            "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), "graph": graph,
-           "router_ttft_split_ms": split,
+           "router_ttft_split_ms": split, "send_lag_ms": summarize(lags),
            "per_request": {"prompt_lens": [r.prompt_len for r in results],
                            "output_lens": [r.output_tokens for r in results],
                            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
                            "latencies": [r.latency for r in results], "errors": [r.error for r in results]}}
     if args.save_result:
-        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_result).write_text(json.dumps(out, indent=1))
+        try:
+            Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.save_result).write_text(json.dumps(_json_safe(out), indent=1))
+        except OSError as e:
+            raise ValueError(f"--save-result {args.save_result}: {e.strerror or e}") from None
     return out

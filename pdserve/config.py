@@ -110,6 +110,10 @@ class KVTransferConfig:
     kv_tls_cert: Optional[str] = None
     kv_tls_key: Optional[str] = None
     kv_tls_ca: Optional[str] = None
+    # Nice value of P's KV server threads: at 12 (CFS weight 70 against the engine's 1024) readers get ~6% of a core
+    # that P's engine also wants, and all of an idle one. 0: equal shares (a back-to-back reader halves a busy P's
+    # core). The price: while P computes without pause, its reads crawl.
+    kv_server_nice: int = 12
     kv_connector_extra_config: dict = field(default_factory=dict)
     connectors: tuple = ()  # children of a MultiConnector
 
@@ -145,6 +149,8 @@ class KVTransferConfig:
         if bool(self.kv_tls_cert) != bool(self.kv_tls_key):
             have, need = ("kv_tls_cert", "kv_tls_key") if self.kv_tls_cert else ("kv_tls_key", "kv_tls_cert")
             raise ValueError(f"kv_transfer_config.{need} is required with {have}")
+        if not 0 <= self.kv_server_nice <= 19:
+            raise ValueError("kv_transfer_config.kv_server_nice must be in 0..19")
         for name in ("kv_tls_cert", "kv_tls_key", "kv_tls_ca"):
             path = getattr(self, name)
             if path and not os.path.isfile(path):

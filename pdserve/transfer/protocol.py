@@ -39,7 +39,18 @@ class ProtocolError(Exception):
     """A peer broke the protocol: bad frame, failed authentication, incompatible model."""
 
 
-def tune(sock: socket.socket) -> None:
+# What a socket wait that ran out raises: kernel-side timeouts (see tune) surface as EAGAIN.
+TIMEOUTS = (socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+def tune(sock: socket.socket, timeout: Optional[float] = None) -> None:
+    """No Nagle, bigger buffers, and a blocking socket with kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO): each
+    wait is one syscall (Python's own timeouts poll before every call), and MSG_WAITALL fills a group in one."""
+    if timeout is not None:
+        sock.settimeout(None)
+        tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
@@ -51,7 +62,8 @@ def _move(sock: socket.socket, views: list, send: bool) -> None:
     plain, i = not isinstance(sock, ssl.SSLSocket), 0  # TLS sockets have no sendmsg/recvmsg_into
     while i < len(views):
         if plain:
-            n = sock.sendmsg(views[i:i + IOV_MAX]) if send else sock.recvmsg_into(views[i:i + IOV_MAX])[0]
+            n = sock.sendmsg(views[i:i + IOV_MAX]) if send else \
+                sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
         else:
             n = sock.send(views[i]) if send else sock.recv_into(views[i])
         if n == 0 and not send:

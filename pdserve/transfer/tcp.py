@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -41,7 +42,7 @@ from pdserve.config import LOOPBACK
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, register_connector
-from pdserve.transfer.protocol import ProtocolError, client_handshake, server_handshake, tune
+from pdserve.transfer.protocol import TIMEOUTS, ProtocolError, client_handshake, server_handshake, tune
 
 logger = logging.getLogger("pdserve.transfer")
 BLOCKS_PER_READ = 64
@@ -111,8 +112,11 @@ class TcpConnector(KVConnector):
             threading.Thread(target=self._serve, args=(conn,), name="kv-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(max(5.0, self.config.kv_lease_seconds))
-        tune(conn)
+        tune(conn, max(5.0, self.config.kv_lease_seconds))
+        try:  # Linux: this thread only. When it competes with P's engine for a core, the engine keeps its share.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.kv_server_nice)
+        except (OSError, AttributeError):
+            pass
         try:
             if self._tls_server is not None:
                 conn = self._tls_server.wrap_socket(conn, server_side=True)
@@ -140,10 +144,12 @@ class TcpConnector(KVConnector):
                     session.send({"status": "ok"})
                 else:
                     session.send({"status": "error", "error": f"unknown op {op!r}"})
+        except TIMEOUTS:  # an idle or stalled peer: nothing to answer
+            pass
         except ssl.SSLError as e:  # e.g. a consumer without TLS
             self.stats.failures["tls"] += 1
             logger.warning("KV connection refused: TLS handshake failed (consumer without TLS?): %s", e)
-        except OSError:  # the peer went away or timed out: nothing to answer
+        except OSError:  # the peer went away: nothing to answer
             pass
         except (ProtocolError, ValueError, KeyError) as e:
             self.stats.failures[type(e).__name__] += 1
@@ -256,7 +262,7 @@ class TcpConnector(KVConnector):
         try:
             with socket.create_connection((p["remote_host"], int(p["remote_port"])),
                                           timeout=self.config.kv_transfer_timeout) as sock:
-                tune(sock)
+                tune(sock, self.config.kv_transfer_timeout)
                 if self._tls_client is not None:
                     sock = self._tls_client.wrap_socket(sock, server_hostname=p["remote_host"])
                 session = client_handshake(sock, self.token, self.compat)
@@ -283,7 +289,7 @@ class TcpConnector(KVConnector):
             with self._lock:
                 self._done.add(job.request_id)
         except Exception as e:  # every failure ends in the scheduler's failure policy
-            cause = "timeout" if isinstance(e, socket.timeout) else type(e).__name__
+            cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
             self.stats.failures[cause] += 1
             logger.warning("request %s: KV load failed (%s): %s", job.request_id, cause, e)
             with self._lock:

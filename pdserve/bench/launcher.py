@@ -119,6 +119,11 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str) -> N
     arm = dep.arm
     env = {"PDSERVE_KV_TOKEN": token}  # via the environment: never on a command line others can read
     serve = ["serve", model, *server_args]
+    # Every arm gets the same cores: collocated all of them, P and D half each. Two torch processes that each
+    # spin up one thread per core on the same cores slow each other's GEMMs many times over (NOTES.md).
+    cpus = os.cpu_count() or 1
+    threads = os.environ.get("OMP_NUM_THREADS") or str(cpus if arm == "collocated" else max(1, cpus // 2))
+    env["OMP_NUM_THREADS"] = threads
     if arm == "collocated":
         dep.url = dep.spawn("server", serve, free_port(), env)
         return

@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
-# The seed's experiment on the tiny model: collocated vs 1P1D (strict rule) vs 1P1D (default rule), two rates.
-DEMO_ARGS ?= --rates 2,8 --num-prompts 24 --random-input-len 128 --random-output-len 32
+# The seed's experiment on the tiny model: collocated vs 1P1D (strict rule) vs 1P1D (default rule), three rates.
+DEMO_ARGS ?= --rates 2,8,32 --num-prompts 24 --random-input-len 128 --random-output-len 32
 demo: $(VENV)/.installed
 	$(PY) -m pdserve.cli make-model --arch qwen3 --size tiny --out $(DEMO_MODEL) --if-missing
 	$(PY) -m pdserve.cli bench pd --model $(DEMO_MODEL) $(DEMO_ARGS) --result-dir bench-results/demo

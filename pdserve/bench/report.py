@@ -73,6 +73,7 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
     ax_itl.set(xlabel="request rate (req/s)", ylabel="p99 ITL (ms)", title=f"p99 inter-token latency ({device})")
     ax_share.set(xlabel="request rate (req/s)", ylabel="non-FULL steps (%)", title="decode steps off FULL graphs")
     for ax in (ax_itl, ax_share):
+        ax.set_ylim(bottom=0)  # from zero: a 1 ms wobble must not look like a cliff
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -34,7 +34,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", model_dir, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        # one torch thread per server: the P/D tests run several servers on 2 cores, and torch processes that each
+        # spin a thread per core slow each other's GEMMs many times over
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.pgid = self.proc.pid  # start_new_session: the server leads its own group

@@ -191,6 +191,52 @@ def test_forged_prompt_hash_never_splices(pd, collocated):
     assert d.engine.connector.stats.bytes_received == 0  # rejected before any read
 
 
+def flipping_proxy(port: int, at: int) -> socket.socket:
+    """A loopback relay to `port` that flips one bit of the byte at offset `at` of the P -> D stream."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def pump(src, dst, flip):
+        seen = 0
+        try:
+            while data := src.recv(1 << 16):
+                if flip and seen <= at < seen + len(data):
+                    data = bytearray(data)
+                    data[at - seen] ^= 1
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+    def run():
+        down, _ = srv.accept()
+        up = socket.create_connection(("127.0.0.1", port))
+        threading.Thread(target=pump, args=(down, up, False), daemon=True).start()
+        pump(up, down, True)
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv
+
+
+def test_frame_failing_authentication_recomputes(pd, collocated, caplog):
+    """A bit flipped on the wire inside the KV payload: the frame fails authentication, the blocks it was received
+    into are dropped unpublished, and D prefills the prompt itself."""
+    p, d = pd
+    params = prefill_on(p, PROMPTS[3:4])
+    assert len(params[0]["remote_block_ids"]) * p.engine.connector.bytes_per_block > 20000
+    proxy = flipping_proxy(p.engine.connector.port, at=12000)  # past the handshake, inside the first payload
+    params = [sign_params({**params[0], "remote_port": proxy.getsockname()[1]}, "secret")]
+    with caplog.at_level("WARNING", logger="pdserve.transfer"):
+        out = decode_on(d, PROMPTS[3:4], params)
+    assert out[0].outputs[0].token_ids == collocated[3]
+    assert "frame failed authentication" in caplog.text and d.engine.connector.stats.failures["ProtocolError"] == 1
+    proxy.close()
+    expire_leases(p)
+    drain(p)
+    assert_whole(p, d)
+
+
 def test_lease_expires_when_decode_never_comes(qwen3_tiny):
     p = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.3)
     prefill_on(p, PROMPTS[:3])

@@ -177,17 +177,16 @@ class TcpConnector(KVConnector):
         self.bytes_per_block = 2 * len(kv_caches) * self.chunk_bytes
         # On CPU, flat byte views of each layer's cache: reads are sent from, and loads received into, the blocks
         # themselves. Elsewhere reads gather into host memory and loads scatter from it.
-        self._flat = [memoryview(c.view(-1).view(torch.uint8).numpy()) for c in kv_caches] \
-            if c0.device.type == "cpu" else None
+        self._flat = [c.view(-1).view(torch.uint8).numpy() for c in kv_caches] if c0.device.type == "cpu" else None
 
-    def _views(self, block_ids: list[int]) -> list[memoryview]:
-        """Views of `block_ids` in wire order [layer, K/V, block], one per run of consecutive ids."""
-        runs: list[list[int]] = []
-        for b in block_ids:
-            if runs and runs[-1][1] == b:
-                runs[-1][1] += 1
-            else:
-                runs.append([b, b + 1])
+    def _views(self, block_ids: list[int]) -> list[np.ndarray]:
+        """Byte views (numpy: untracked by the GC) of `block_ids` in wire order [layer, K/V, block], one per run of
+        consecutive ids."""
+        if not block_ids:
+            return []
+        ids = np.asarray(block_ids)
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        runs = list(zip(ids[np.r_[0, cut]].tolist(), (ids[np.r_[cut - 1, len(ids) - 1]] + 1).tolist()))
         n, cb = self.num_blocks, self.chunk_bytes
         return [flat[(kv * n + s) * cb:(kv * n + e) * cb] for flat in self._flat for kv in (0, 1) for s, e in runs]
 

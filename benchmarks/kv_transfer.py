@@ -7,12 +7,12 @@ deployment. For 1, 16 and 256 blocks of the small model (384 KiB a block), D pul
 through its real load path (connect, handshake, authenticated frames of up to 64 blocks received into its own
 blocks, `done`), timed by D from connect to `done`; blocks with ascending ids on both sides (a fresh pool), then at
 16 and 256 blocks "scattered" (shuffled ids on both sides, as in a long-running server: one 16 KiB view per block,
-layer and K/V instead of one per layer and K/V). Two baselines, alternating with it, move the same number of bytes between the same two
-processes over a plain loopback socket with the same socket options, timed the same way: `plain` sends frame-sized
-chunks from a ready buffer into a reused one (the socket's speed; the buffers stay in cache), `plain_blocks` sends
-the lease's blocks themselves into D's blocks (a transport with no framing or authentication: same bytes, same
-memory, so D writes 100 MB of cold cache as the real load does). At 256 blocks also the same pull over TLS (a
-second KV server on P with a self-signed cert, a consumer trusting it). Median of --reps each.
+layer and K/V instead of one per layer and K/V). Two baselines, alternating with it, move the same number of bytes
+between the same two processes over a plain loopback socket with the same socket options, timed the same way:
+`plain` sends frame-sized chunks from a ready buffer into a reused one (the socket's speed; the buffers stay in
+cache), `plain_blocks` sends the lease's blocks themselves into D's blocks (a transport with no framing or
+authentication: same bytes, same memory). At 256 ascending blocks also the same pull over TLS (a second KV server
+on P with a self-signed cert, a consumer trusting it). Median of --reps each.
 
 P's step slowdown. On 2 cores a reader competes with P for CPU, and its work (receive, verify, write into D's
 blocks) is D's, not P's: so P runs on core 0 with 1 torch thread and D on core 1. P's KV server threads share P's
@@ -324,7 +324,8 @@ def main() -> None:
             row = run(lambda: b.transport(n, args.reps, scattered))
             rows.append(row)
             log(f"{n:>6}{'s' if scattered else ' '} {row['bytes'] / 1e6:>7.2f} {row['tcp_gbps']:>9.2f} "
-                f"{row['plain_gbps']:>10.2f} {row['ratio']:>6.2f} {row['plain_blocks_gbps']:>12.2f} {row['ratio_to_plain_blocks']:>6.2f}   "
+                f"{row['plain_gbps']:>10.2f} {row['ratio']:>6.2f} {row['plain_blocks_gbps']:>12.2f} "
+                f"{row['ratio_to_plain_blocks']:>6.2f}   "
                 f"(load {row['loadavg_1m_before']:.2f}, others {row['other_cores_during']})"
                 + (f"; over TLS {row['tls_gbps']:.2f} GB/s" if "tls_gbps" in row else ""))
         pin({0})

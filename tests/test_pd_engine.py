@@ -101,6 +101,18 @@ def test_pd_equals_collocated_and_rides_full(pd, collocated):
     assert_whole(p, d)
 
 
+def test_staged_path_equals_collocated(pd, collocated):
+    """The path for caches off the CPU (gather into host memory on P, scatter from it on D), run on CPU tensors."""
+    p, d = pd
+    p.engine.connector._flat = d.engine.connector._flat = None
+    params = prefill_on(p, PROMPTS[:4])
+    out = decode_on(d, PROMPTS[:4], params)
+    assert [out[i].outputs[0].token_ids for i in range(4)] == collocated[:4]
+    assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+    drain(p)
+    assert_whole(p, d)
+
+
 def test_producer_gone_before_pull_recomputes(pd, collocated):
     p, d = pd
     params = prefill_on(p, PROMPTS[:3])

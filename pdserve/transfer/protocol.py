@@ -57,7 +57,8 @@ def tune(sock: socket.socket, timeout: Optional[float] = None) -> None:
 
 
 def _move(sock: socket.socket, views: list, send: bool) -> None:
-    """Send every byte of `views` (1-D byte memoryviews), or fill them, with no copy in user space."""
+    """Send every byte of `views` (1-D byte buffers: memoryviews, uint8 arrays), or fill them, with no copy in
+    user space."""
     views = [v for v in views if v.nbytes]
     plain, i = not isinstance(sock, ssl.SSLSocket), 0  # TLS sockets have no sendmsg/recvmsg_into
     while i < len(views):

@@ -61,6 +61,32 @@ def _serve_parser(sub) -> None:
                        help="KV connector for P/D as JSON, vLLM-style (e.g. '{\"kv_connector\": \"TcpConnector\", "
                             "\"kv_role\": \"kv_producer\"}'); without it, requests with kv_transfer_params are "
                             "refused with 400.")
+    for flag, field, doc in KV_FLAGS:
+        p.add_argument(flag, default=None, help=f"{doc} Sets {field} of --kv-transfer-config.")
+
+
+KV_FLAGS = (("--kv-auth-token", "kv_auth_token", "Shared KV token (default: $PDSERVE_KV_TOKEN)."),
+            ("--kv-tls-cert", "kv_tls_cert", "PEM certificate: P serves KV over TLS; on D, trusted when "
+                                              "--kv-tls-ca is not given."),
+            ("--kv-tls-key", "kv_tls_key", "PEM private key of --kv-tls-cert (P)."),
+            ("--kv-tls-ca", "kv_tls_ca", "PEM CA bundle D verifies P's certificate against."))
+
+
+def _kv_transfer_config(args):
+    """--kv-transfer-config with the --kv-* convenience flags folded in (the flags win)."""
+    import json
+    overrides = {field: getattr(args, field) for _, field, _ in KV_FLAGS if getattr(args, field) is not None}
+    if not overrides:
+        return args.kv_transfer_config
+    if args.kv_transfer_config is None:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in overrides)} only apply with --kv-transfer-config")
+    try:
+        kv = json.loads(args.kv_transfer_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
+    if not isinstance(kv, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    return {**kv, **overrides}
 
 
 def cmd_serve(args) -> int:
@@ -72,7 +98,7 @@ def cmd_serve(args) -> int:
     cfg = ServerConfig(**{k: v for k, v in vars(args).items() if k in names},
                        served_model_name=tuple(args.served_model_name or ()))
     cfg.validate()
-    engine_config = EngineConfig.from_kwargs(args.model_dir, kv_transfer_config=args.kv_transfer_config,
+    engine_config = EngineConfig.from_kwargs(args.model_dir, kv_transfer_config=_kv_transfer_config(args),
                                              **engine_kwargs_from_args(args))
     return run_server(engine_config, cfg)
 

@@ -3,6 +3,7 @@
 Each scenario checks the outcome and that both block pools are whole afterwards."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -374,3 +375,20 @@ def test_tls_config_errors_name_the_field(qwen3_tiny, certs, tmp_path):
     for extra, msg in cases:
         with pytest.raises(ValueError, match=msg):
             LLM(qwen3_tiny, kv_transfer_config={**kv, **extra}, **ENGINE)
+
+
+def test_kv_cli_flags_fold_into_kv_transfer_config(qwen3_tiny):
+    import argparse
+
+    from pdserve.cli import _kv_transfer_config
+    from pdserve.config import EngineConfig
+    base = json.dumps({"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_auth_token": "a"})
+    ns = argparse.Namespace(kv_transfer_config=base, kv_auth_token="b", kv_tls_cert=None, kv_tls_key=None,
+                            kv_tls_ca=None)
+    assert _kv_transfer_config(ns)["kv_auth_token"] == "b"  # the flag wins over the JSON
+    with pytest.raises(ValueError, match="--kv-tls-cert only apply with --kv-transfer-config"):
+        _kv_transfer_config(argparse.Namespace(kv_transfer_config=None, kv_auth_token=None, kv_tls_cert="/c",
+                                               kv_tls_key=None, kv_tls_ca=None))
+    ns.kv_tls_cert, ns.kv_tls_key = "/nonexistent.pem", "/nonexistent.key"
+    with pytest.raises(ValueError, match="kv_tls_cert"):
+        EngineConfig.from_kwargs(qwen3_tiny, kv_transfer_config=_kv_transfer_config(ns))

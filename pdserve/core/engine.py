@@ -98,6 +98,9 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
+        elif self._id_in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is still in use (running, or its KV still leased to a decode "
+                             "node or being released)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params)
@@ -110,11 +113,20 @@ class LLMEngine:
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return req
 
+    def _id_in_use(self, request_id: str) -> bool:
+        """An id whose blocks are still held: reusing it would hand the new request the old one's KV (a P's lease
+        that D may be reading, or blocks a D's loader is still writing)."""
+        s = self.scheduler
+        return any(request_id in d for d in (s.requests, s.leased, s.deferred_free, self.kv.req_blocks))
+
     def _check_kv_params(self, params: dict) -> None:
         if self.connector is None:
             raise ValueError("kv_transfer_params given, but this server has no KV connector")
         if not isinstance(params, dict):
             raise ValueError("kv_transfer_params must be an object")
+        if params.get("do_remote_decode") and self.config.kv_transfer.kv_role == "kv_consumer":
+            raise ValueError("kv_transfer_params: do_remote_decode sent to a decode node (kv_role kv_consumer), "
+                             "which keeps no KV for others; send prefill requests to a kv_producer")
         if params.get("do_remote_prefill") and not verify_params(params, self.config.kv_transfer.auth_token()):
             raise ValueError("kv_transfer_params: remote-prefill params without a valid router proof (an HMAC "
                              "made with the KV token); send requests through `pdserve router`")

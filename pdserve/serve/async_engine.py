@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
@@ -19,6 +20,7 @@ from pdserve.serve.engine_core import EngineCore, EngineInfo, QueueInbox, StepBa
 from pdserve.serve.errors import APIError
 
 logger = logging.getLogger("pdserve.serve.engine")
+RECENT_IDS = 1 << 16  # ids remembered after finishing: far more than a 30 s lease sees at any realistic rate
 
 
 @dataclass
@@ -44,6 +46,7 @@ class AsyncEngine:
         self.error: Optional[BaseException] = None
         self.accepting = True
         self._reqs: dict[str, _RequestState] = {}
+        self._recent_ids: OrderedDict[str, None] = OrderedDict()
         self._num_queued = 0  # accepted requests without a first token yet
         self._queries: dict[int, asyncio.Future] = {}
         self._qids = itertools.count()
@@ -225,9 +228,17 @@ class AsyncEngine:
                                 f"(--max-waiting {self.max_waiting}); retry later", headers={"Retry-After": "1"})
 
     def unique_id(self, request_id: str) -> str:
-        if request_id not in self._reqs:
-            return request_id
-        return next(f"{request_id}-{i}" for i in itertools.count(1) if f"{request_id}-{i}" not in self._reqs)
+        """Unique among requests in flight and the recently finished ones: a finished P/D request's id may still
+        name leased KV in the engine (which refuses a reused id), so a client retry with the same X-Request-Id
+        gets a suffix instead of an error."""
+        def taken(rid: str) -> bool:
+            return rid in self._reqs or rid in self._recent_ids
+        if taken(request_id):
+            request_id = next(f"{request_id}-{i}" for i in itertools.count(1) if not taken(f"{request_id}-{i}"))
+        self._recent_ids[request_id] = None
+        if len(self._recent_ids) > RECENT_IDS:
+            self._recent_ids.popitem(last=False)
+        return request_id
 
     def submit(self, request_id: str, token_ids: list[int], params, arrival: float,
                kv_transfer_params: Optional[dict] = None) -> _RequestState:

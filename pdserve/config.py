@@ -89,6 +89,9 @@ KNOWN_CONNECTORS = PD_CONNECTORS + ("MultiConnector",)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+INHERITED = ("kv_auth_token", "kv_tls_cert", "kv_tls_key", "kv_tls_ca")  # MultiConnector -> children
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """`--kv-transfer-config '{json}'`, field names as vLLM's KVTransferConfig where they exist."""
@@ -129,7 +132,11 @@ class KVTransferConfig:
             if required not in d:
                 raise ValueError(f"kv_transfer_config: missing field {required!r}")
         d = dict(d)
-        d["connectors"] = tuple(cls.from_dict(c) if isinstance(c, dict) else c for c in d.get("connectors", ()))
+        # A MultiConnector's children share the deployment's token and TLS unless they set their own: a token
+        # given once (e.g. --kv-auth-token) must never leave a child handshaking with an empty key.
+        shared = {k: d[k] for k in INHERITED if d.get(k) is not None}
+        d["connectors"] = tuple(cls.from_dict({**shared, **c}) if isinstance(c, dict) else c
+                                for c in d.get("connectors", ()))
         d["kv_peers"] = tuple(d.get("kv_peers", ()))
         cfg = cls(**d)
         cfg.validate()

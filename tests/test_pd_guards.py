@@ -31,3 +31,12 @@ def test_do_remote_decode_sent_to_a_decode_node_is_refused(qwen3_tiny):
         assert not d.engine.has_unfinished_requests()
     finally:
         d.engine.shutdown()
+
+
+def test_multiconnector_children_inherit_token_and_tls():
+    from pdserve.config import KVTransferConfig
+    cfg = KVTransferConfig.from_dict({
+        "kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_auth_token": "s3cret",
+        "connectors": [{"kv_connector": "TcpConnector", "kv_role": "kv_producer"},
+                       {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_auth_token": "own"}]})
+    assert [c.kv_auth_token for c in cfg.connectors] == ["s3cret", "own"]

@@ -43,6 +43,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from starlette.background import BackgroundTask
 
 from pdserve.transfer.proof import sign_params
 
@@ -124,7 +125,13 @@ class Router:
                 continue
             if r.status_code != 200:  # the client's mistake: P's 4xx goes back as it is
                 return None, {}, Response(r.content, r.status_code, media_type="application/json")
-            return r.json().get("kv_transfer_params"), parse_server_timing(r.headers.get("server-timing")), None
+            try:
+                params = r.json().get("kv_transfer_params")
+            except (ValueError, AttributeError) as e:
+                logger.warning("[%s] prefill node %s answered unreadable JSON (%s); trying another",
+                               headers["X-Request-Id"], node.url, e)
+                continue
+            return params, parse_server_timing(r.headers.get("server-timing")), None
         return None, {}, None  # no P left: D prefills locally
 
     def _observe(self, total: float, p_round_trip: Optional[float], p: dict, d: dict, handed_over: bool) -> None:
@@ -159,6 +166,8 @@ class Router:
         if not isinstance(body, dict):
             return error(400, "request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes
+        if not any(n.healthy for n in self.decode.nodes):  # before P: a prefill no D can take only holds a lease
+            return error(503, "no healthy decode node", "service_unavailable")
         t0 = time.monotonic()
         prompt = body.get("prompt")
         one_token = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int)
@@ -186,6 +195,13 @@ class Router:
             # A whole answer: the router never sees the first token, D's own TTFT stands in for it.
             self._observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
         first = [ok and bool(body.get("stream"))]
+        released = [False]
+
+        async def release():  # idempotent: from the relay's end, or the background task if the relay never ran
+            if not released[0]:
+                released[0] = True
+                node.in_flight -= 1
+                await upstream.aclose()
 
         async def relay():
             try:
@@ -195,12 +211,11 @@ class Router:
                         self._observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
                     yield chunk
             finally:
-                node.in_flight -= 1
-                await upstream.aclose()
+                await release()
 
         media = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
-                                 headers={"X-Request-Id": rid})
+                                 headers={"X-Request-Id": rid}, background=BackgroundTask(release))
 
 
 def parse_server_timing(header: Optional[str]) -> dict[str, float]:
@@ -240,7 +255,10 @@ def build_app(router: Router) -> FastAPI:
         node = router.decode.pick()
         if node is None:
             return error(503, "no healthy decode node", "service_unavailable")
-        r = await router.client.get(node.url + "/v1/models")
+        try:
+            r = await router.client.get(node.url + "/v1/models")
+        except httpx.HTTPError as e:
+            return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
         return Response(r.content, r.status_code, media_type="application/json")
 
     @app.get("/health")

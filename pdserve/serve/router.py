@@ -42,9 +42,10 @@ from typing import Optional
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 
+from pdserve.serve.router_timing import TtftSplit, parse_server_timing
 from pdserve.transfer.proof import sign_params
 
 logger = logging.getLogger("pdserve.router")
@@ -87,10 +88,7 @@ class Router:
         self.health_interval = health_interval
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token by stage: router_to_prefill, "
-                              "prefill, kv_transfer, decode_queue, first_token (these add up to total), and total.",
-                              ["stage"], registry=self.registry,
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.ttft = TtftSplit(self.registry)
 
     async def health_loop(self) -> None:
         while True:
@@ -134,26 +132,6 @@ class Router:
             return params, parse_server_timing(r.headers.get("server-timing")), None
         return None, {}, None  # no P left: D prefills locally
 
-    def _observe(self, total: float, p_round_trip: Optional[float], p: dict, d: dict, handed_over: bool) -> None:
-        """One request's TTFT split. `p`, `d`: P's and D's Server-Timing ({} when absent); `handed_over`: D got
-        P's KV params. first_token is the remainder, so the stages observed add up to `total`."""
-        stages = {"total": total}
-        rest = total
-        if p_round_trip is not None:
-            rest -= p_round_trip
-            if "prefill" in p:
-                stages["prefill"] = p["prefill"]
-                stages["router_to_prefill"] = max(p_round_trip - p["prefill"], 0.0)
-        if handed_over and "kv_transfer" in d:
-            stages["kv_transfer"] = d["kv_transfer"]
-            rest -= d["kv_transfer"]
-        if "queue" in d:
-            stages["decode_queue"] = d["queue"]
-            rest -= d["queue"]
-        stages["first_token"] = max(rest, 0.0)
-        for stage, seconds in stages.items():
-            self.ttft.labels(stage).observe(seconds)
-
     async def handle(self, request: Request, path: str) -> Response:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
@@ -193,7 +171,7 @@ class Router:
         d_timing = parse_server_timing(upstream.headers.get("server-timing"))
         if ok and not body.get("stream") and "ttft" in d_timing:
             # A whole answer: the router never sees the first token, D's own TTFT stands in for it.
-            self._observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
+            self.ttft.observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
         first = [ok and bool(body.get("stream"))]
         released = [False]
 
@@ -208,7 +186,7 @@ class Router:
                 async for chunk in upstream.aiter_raw():
                     if first[0]:
                         first[0] = False
-                        self._observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
+                        self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
                     yield chunk
             finally:
                 await release()
@@ -216,21 +194,6 @@ class Router:
         media = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
                                  headers={"X-Request-Id": rid}, background=BackgroundTask(release))
-
-
-def parse_server_timing(header: Optional[str]) -> dict[str, float]:
-    """{name: seconds} from a `Server-Timing` header (`name;dur=<ms>, ...`); parts without a duration are skipped."""
-    out = {}
-    for part in (header or "").split(","):
-        name, *params = (x.strip() for x in part.split(";"))
-        for param in params:
-            key, _, value = param.partition("=")
-            if key == "dur":
-                try:
-                    out[name] = float(value) / 1000
-                except ValueError:
-                    pass
-    return out
 
 
 def build_app(router: Router) -> FastAPI:

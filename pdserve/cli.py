@@ -79,7 +79,8 @@ def _kv_transfer_config(args):
     if not overrides:
         return args.kv_transfer_config
     if args.kv_transfer_config is None:
-        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in overrides)} only apply with --kv-transfer-config")
+        flags = ", ".join("--" + k.replace("_", "-") for k in overrides)
+        raise ValueError(f"{flags} only apply with --kv-transfer-config")
     try:
         kv = json.loads(args.kv_transfer_config)
     except json.JSONDecodeError as e:

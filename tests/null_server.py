@@ -1,4 +1,5 @@
-"""A null OpenAI streaming endpoint: answers every completion or chat request at once (two content chunks, usage, [DONE]).
+"""A null OpenAI streaming endpoint: answers every completion or chat request at once (two content chunks, usage,
+[DONE]).
 
 Raw ASGI on uvicorn, no framework, so the server's own cost is as small as it gets: what `bench serve` measures
 against it is the client's overhead. Usage: python -m tests.null_server PORT"""

@@ -131,7 +131,8 @@ def run_bench_pd(args) -> int:
                                                      args.warmup if i == 0 else 0, save), quiet=True)
                 rows.append(_row(arm, rate, result))
                 split = result.get("router_ttft_split_ms") or {}
-                where = ", ".join(f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue") if k in split)
+                where = ", ".join(f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue")
+                                  if k in split)
                 print(f"[bench pd] {arm} @ {rate:g} req/s: {result['completed']} ok, {result['failed']} failed, "
                       f"median TTFT {result['ttft_ms']['median']:.1f} ms{f' (mean ms: {where})' if where else ''}, "
                       f"p99 ITL {result['itl_ms']['p99']:.1f} ms", flush=True)

@@ -71,3 +71,53 @@ def test_payload_of_the_wrong_size_is_refused_before_reading():
         consumer_reading(frame_bytes({}, b"12345678")).recv(into=[memoryview(bytearray(4))])
     header, got = consumer_reading(frame_bytes({"status": "expired"})).recv(into=[memoryview(bytearray(4))])
     assert header == {"status": "expired"} and got == []  # an answer without payload is always fine
+
+
+@pytest.fixture()
+def kv_server():
+    """A producer's KV server alone (no engine, no KV cache): only handshakes and reads of unknown leases."""
+    from types import SimpleNamespace
+
+    from pdserve.config import KVTransferConfig
+    from pdserve.transfer.tcp import TcpConnector
+    cfg = KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 0,
+                                      "kv_auth_token": "secret", "kv_transfer_timeout": 1.0})
+    engine = SimpleNamespace(config=SimpleNamespace(cache=SimpleNamespace(block_size=16)),
+                             compat_fields=lambda: {"model": "m"})
+    c = TcpConnector(cfg, engine)
+    yield c
+    c.shutdown()
+
+
+@pytest.mark.parametrize("hello", [b"not json", b"[1]", b'{"role": "kv_consumer", "nonce": 5, "compat": {}}',
+                                   b'{"role": "kv_consumer", "nonce": "0011", "compat": {}}',
+                                   b'{"role": "kv_consumer", "nonce": "' + b"zz" * 16 + b'", "compat": {}}',
+                                   b'{"role": "kv_consumer", "nonce": "' + b"00" * 16 + b'", "compat": "x"}',
+                                   None])  # None: says nothing at all
+def test_malformed_hello_refused_and_server_lives_on(kv_server, hello, monkeypatch, caplog):
+    from pdserve.transfer.protocol import client_handshake, send_frame
+    crashed = []
+    monkeypatch.setattr(threading, "excepthook", crashed.append)
+    bad = socket.create_connection(("127.0.0.1", kv_server.port))
+    bad.settimeout(3)  # the handshake has kv_transfer_timeout (1 s) in all
+    with caplog.at_level("WARNING", logger="pdserve.transfer"):
+        if hello is not None:
+            send_frame(bad, hello)
+        assert bad.recv(100) == b""  # closed, nothing answered
+    bad.close()
+    if hello is not None:
+        assert "malformed" in caplog.text or "expected a kv_consumer hello" in caplog.text
+    good = socket.create_connection(("127.0.0.1", kv_server.port))
+    session = client_handshake(good, b"secret", {"model": "m"})
+    session.send({"op": "read", "transfer_id": "unknown", "start": 0, "count": 1})
+    assert session.recv(into=[])[0] == {"status": "expired"}
+    good.close()
+    assert not crashed
+
+
+def test_client_refuses_a_short_producer_nonce():
+    from pdserve.transfer.protocol import _canon, client_handshake, send_frame
+    a, b = socket.socketpair()
+    send_frame(b, _canon({"role": "kv_producer", "nonce": "00" * 8, "compat": {}, "proof": "00" * 32}))
+    with pytest.raises(ProtocolError, match="nonce must be 16 bytes"):
+        client_handshake(a, b"secret", {})

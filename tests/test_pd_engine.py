@@ -149,6 +149,97 @@ def test_transfer_timeout_recomputes(qwen3_tiny, collocated):
     d.engine.shutdown()
 
 
+def test_trickling_producer_hits_overall_deadline(qwen3_tiny, collocated):
+    """A peer that sends a frame length and then one byte every 0.2 s never trips a socket timeout (each wait gets
+    a byte): the overall kv_transfer_timeout (1.5 s) shuts the connection and D prefills locally."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = srv.accept()
+        try:
+            conn.sendall((1000).to_bytes(8, "big"))
+            while not stop.wait(0.2):
+                conn.sendall(b" ")
+        except OSError:
+            pass
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    d = consumer(qwen3_tiny, kv_transfer_timeout=1.5)
+    from pdserve.transfer.tcp import prompt_hash
+    ids = d.get_tokenizer()(PROMPTS[2]).input_ids
+    fake = sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+                        "remote_port": srv.getsockname()[1], "num_prompt_tokens": len(ids),
+                        "prompt_hash": prompt_hash(ids)}, "secret")
+    t0 = time.monotonic()
+    out = decode_on(d, [PROMPTS[2]], [fake])
+    assert time.monotonic() - t0 < 3.5
+    assert out[0].outputs[0].token_ids == collocated[2]
+    assert d.engine.connector.stats.failures == {"timeout": 1}
+    assert_whole(d)
+    stop.set()
+    srv.close()
+    d.engine.shutdown()
+
+
+@pytest.mark.parametrize("why", ["no_blocks", "hash_mismatch"])
+def test_local_fallback_releases_producer_lease_at_once(pd, collocated, why, monkeypatch):
+    """D prefills locally (no blocks for the load, or params it rejects): P still hears `done` and frees the lease
+    at once, not at expiry (30 s); a bare `done` is no failed load."""
+    p, d = pd
+    params = prefill_on(p, PROMPTS[2:3])
+    if why == "hash_mismatch":
+        params[0] = sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")
+    else:
+        kv, calls = d.engine.scheduler.kv, []
+        real = kv.allocate_slots
+        monkeypatch.setattr(kv, "allocate_slots", lambda *a: bool(calls.append(1) or len(calls) > 1) and real(*a))
+    out = decode_on(d, PROMPTS[2:3], params)
+    assert out[0].outputs[0].token_ids == collocated[2]
+    assert d.engine.connector.stats.bytes_received == 0
+    assert d.engine.connector.stats.failures == ({"rejected": 1} if why == "hash_mismatch" else {})
+    drain(p, deadline=5)
+    assert p.engine.connector.stats.failures["lease_expired"] == 0
+    assert_whole(p, d)
+
+
+def test_consumer_hands_nothing_on(pd):
+    """`do_remote_decode` reaching a consumer-only engine (it has no KV server): the request finishes as usual,
+    with no lease and no params (it used to crash the engine loop on the missing port)."""
+    p, d = pd
+    req = d.engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=2), request_id="r")
+    req.kv_transfer_params = {"do_remote_decode": True}  # past add_request's own checks
+    out = drain(d)["r"]
+    assert out.finished and out.kv_transfer_params is None
+    assert_whole(d)
+
+
+def test_slow_reader_loses_its_connection(qwen3_tiny):
+    """A consumer that asks for reads and never takes them: P's send blocks with the lease pinned; after
+    kv_lease_seconds (1 s) P shuts the connection, the pin goes and the lease expires as usual."""
+    from pdserve.transfer.protocol import client_handshake
+    p = producer(qwen3_tiny, free_port(), kv_lease_seconds=1.0)
+    params = prefill_on(p, PROMPTS[3:4])
+    c = p.engine.connector
+    sock = socket.create_connection(("127.0.0.1", c.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    session = client_handshake(sock, b"secret", c.compat)
+    n = len(params[0]["remote_block_ids"])
+    reads = (64 << 20) // (n * c.bytes_per_block) + 1  # far more than the socket buffers hold
+    for _ in range(reads):
+        session.send({"op": "read", "transfer_id": params[0]["transfer_id"], "start": 0, "count": n})
+    t0 = time.monotonic()
+    while not c.stats.failures["slow_reader"]:
+        assert time.monotonic() - t0 < 5, "P kept serving a reader that does not read"
+        time.sleep(0.05)
+    assert all(lease.pins == 0 for lease in c.leases.values())
+    drain(p, deadline=5)
+    assert_whole(p)
+    sock.close()
+    p.engine.shutdown()
+
+
 def test_wrong_token_refused_at_handshake(qwen3_tiny, collocated, caplog):
     port = free_port()
     p = producer(qwen3_tiny, port)

@@ -134,7 +134,12 @@ class Scheduler:
             return False
         req.kv_load_tried = True
         num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
-        if num_external <= 0 or not self.kv.allocate_slots(req, num_external, hits):
+        if num_external <= 0:
+            return False
+        if not self.kv.allocate_slots(req, num_external, hits):
+            # No room for the load: prefill locally. No blocks to fill tells the connector to let the producer
+            # release its lease now rather than at expiry (vLLM's update_state_after_alloc with none external).
+            self.connector.update_state_after_alloc(req, [], num_hit)
             return False
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit

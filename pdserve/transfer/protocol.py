@@ -203,11 +203,41 @@ class Session:
             pass
 
 
+def _recv_msg(sock: socket.socket) -> dict:
+    """A handshake message. It comes before authentication: anything but a JSON object is a ProtocolError."""
+    try:
+        msg = json.loads(bytes(recv_frame(sock, 1 << 16)))
+    except ValueError as e:
+        raise ProtocolError(f"malformed handshake message: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("malformed handshake message: not a JSON object")
+    return msg
+
+
+def _hello(msg: dict) -> tuple[bytes, dict]:
+    """(nonce, compat) of a hello. The nonce must be exactly 16 bytes: the transcript joins the two nonces with no
+    lengths, so only fixed sizes keep it unambiguous (and a short one would add no freshness)."""
+    nonce, compat = msg.get("nonce"), msg.get("compat")
+    try:
+        nonce = bytes.fromhex(nonce) if isinstance(nonce, str) else b""
+    except ValueError:
+        nonce = b""
+    if len(nonce) != 16 or not isinstance(compat, dict):
+        raise ProtocolError("malformed hello: nonce must be 16 bytes in hex and compat an object")
+    return nonce, compat
+
+
+def _proof_ok(msg: dict, token: bytes, label: bytes, transcript: bytes) -> bool:
+    proof = msg.get("proof")
+    return isinstance(proof, str) and hmac.compare_digest(
+        proof.encode(), hmac.new(token, label + transcript, "sha256").hexdigest().encode())
+
+
 def client_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session:
     nonce_d = os.urandom(16)
     send_frame(sock, _canon({"role": "kv_consumer", "nonce": nonce_d.hex(), "compat": compat}))
     try:
-        hello = json.loads(bytes(recv_frame(sock, 1 << 16)))
+        hello = _recv_msg(sock)
     except ConnectionError:
         if isinstance(sock, ssl.SSLSocket):
             raise
@@ -215,33 +245,32 @@ def client_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session
                             "kv_tls_ca on this consumer)") from None
     if "error" in hello:
         raise ProtocolError(f"refused by producer: {hello['error']}")
-    nonce_p = bytes.fromhex(hello["nonce"])
-    transcript = _transcript(nonce_d, nonce_p, compat, hello["compat"])
-    if not hmac.compare_digest(bytes.fromhex(hello["proof"]), hmac.new(token, b"P" + transcript, "sha256").digest()):
+    nonce_p, compat_p = _hello(hello)
+    transcript = _transcript(nonce_d, nonce_p, compat, compat_p)
+    if not _proof_ok(hello, token, b"P", transcript):
         raise ProtocolError("producer failed authentication (wrong KV token?)")
-    mismatch = compat_mismatch(compat, hello["compat"])
+    mismatch = compat_mismatch(compat, compat_p)
     if mismatch:
         raise ProtocolError(mismatch)
     send_frame(sock, _canon({"proof": hmac.new(token, b"D" + transcript, "sha256").hexdigest()}))
-    ok = json.loads(bytes(recv_frame(sock, 1 << 16)))
+    ok = _recv_msg(sock)
     if not ok.get("ok"):
         raise ProtocolError(f"refused by producer: {ok.get('error', 'unknown reason')}")
     return Session(sock, hmac.new(token, b"session" + nonce_d + nonce_p, "sha256").digest(), is_consumer=True)
 
 
 def server_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session:
-    hello = json.loads(bytes(recv_frame(sock, 1 << 16)))
+    hello = _recv_msg(sock)
     if hello.get("role") != "kv_consumer":
         raise ProtocolError("expected a kv_consumer hello")
-    nonce_d, nonce_p = bytes.fromhex(hello["nonce"]), os.urandom(16)
-    transcript = _transcript(nonce_d, nonce_p, hello["compat"], compat)
+    (nonce_d, compat_d), nonce_p = _hello(hello), os.urandom(16)
+    transcript = _transcript(nonce_d, nonce_p, compat_d, compat)
     send_frame(sock, _canon({"role": "kv_producer", "nonce": nonce_p.hex(), "compat": compat,
                              "proof": hmac.new(token, b"P" + transcript, "sha256").hexdigest()}))
-    proof = json.loads(bytes(recv_frame(sock, 1 << 16))).get("proof", "")
-    if not hmac.compare_digest(bytes.fromhex(proof or "00"), hmac.new(token, b"D" + transcript, "sha256").digest()):
+    if not _proof_ok(_recv_msg(sock), token, b"D", transcript):
         send_frame(sock, _canon({"ok": False, "error": "consumer failed authentication (wrong KV token?)"}))
         raise ProtocolError("consumer failed authentication")
-    mismatch = compat_mismatch(compat, hello["compat"])
+    mismatch = compat_mismatch(compat, compat_d)
     if mismatch:
         send_frame(sock, _canon({"ok": False, "error": mismatch}))
         raise ProtocolError(mismatch)

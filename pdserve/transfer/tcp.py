@@ -6,6 +6,7 @@ Producer (P) lifecycle of a request:
    `kv_transfer_params` that tell D where and what to read (engine, endpoint, transfer id, prompt length and hash);
 3. the KV server answers authenticated reads of (transfer id, block index, count) from that lease only, pinning it
    while it reads and extending it (a read is D's renewal); an unknown, released or expired lease answers `expired`;
+   the handshake has `kv_transfer_timeout` and each read `kv_lease_seconds`, then the connection is shut;
 4. D's `done`, or the lease running out with no read in flight, releases it: `get_finished` hands the request id
    to the scheduler, which frees the blocks.
 
@@ -15,9 +16,10 @@ Consumer (D) lifecycle of a request:
 2. the scheduler allocates blocks, parks the request in WAITING_FOR_REMOTE_KV (no token budget spent) and
    `update_state_after_alloc` queues the load;
 3. `start_load_kv` pulls on a worker thread: handshake, reads of up to 64 blocks per frame received straight into
-   D's own blocks, then `done`; every socket wait has `kv_transfer_timeout`;
+   D's own blocks, then `done`; the whole pull, counted from when it was queued, has `kv_transfer_timeout`;
 4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
-   scheduler's failure policy: recompute locally, or fail the request).
+   scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
+   (params rejected, no blocks for the load, all cached here) still sends P a bare `done` for its lease.
 """
 from __future__ import annotations
 
@@ -70,6 +72,30 @@ class TransferStats:
     failures: Counter = field(default_factory=Counter)
 
 
+class Deadline:
+    """Shuts `sock` down (both ways) `seconds` from now unless cancelled first. Kernel socket timeouts bound each
+    wait only: a peer that trickles a byte now and then would otherwise hold a load, or a pinned lease, forever.
+    Shutting down makes the blocked call fail at once; `sock` may be swapped for its TLS wrapper (`hit` tells
+    whether it fired)."""
+
+    def __init__(self, seconds: float, sock: socket.socket):
+        self.sock, self.hit = sock, False
+        self._timer = threading.Timer(max(seconds, 0.0), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.hit = True
+        try:  # the plain socket's shutdown, not SSLSocket's (which would also unhook the TLS object under its user)
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+        except OSError:  # closed, or detached by the TLS wrapper (the caller checks `hit`)
+            pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        self._timer.join()  # a firing timer ends before the caller closes the socket (its fd could be reused)
+
+
 @register_connector("TcpConnector")
 class TcpConnector(KVConnector):
     def __init__(self, config, engine):
@@ -112,15 +138,24 @@ class TcpConnector(KVConnector):
             threading.Thread(target=self._serve, args=(conn,), name="kv-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        tune(conn, max(5.0, self.config.kv_lease_seconds))
         try:  # Linux: this thread only. When it competes with P's engine for a core, the engine keeps its share.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.kv_server_nice)
         except (OSError, AttributeError):
             pass
         try:
-            if self._tls_server is not None:
-                conn = self._tls_server.wrap_socket(conn, server_side=True)
-            session = server_handshake(conn, self.token, self.compat)
+            tune(conn, max(5.0, self.config.kv_lease_seconds))  # an idle wait between a consumer's frames
+            # Before authentication anyone may connect: the whole handshake gets kv_transfer_timeout.
+            deadline = Deadline(self.config.kv_transfer_timeout, conn)
+            try:
+                if self._tls_server is not None:
+                    conn = deadline.sock = self._tls_server.wrap_socket(conn, server_side=True)
+                if deadline.hit:  # it fired between the wrap and the line above, on the detached plain socket
+                    raise TimeoutError("handshake deadline")
+                session = server_handshake(conn, self.token, self.compat)
+            finally:
+                deadline.cancel()
+            if deadline.hit:
+                raise TimeoutError("handshake deadline")
             while True:
                 header, _ = session.recv(into=[])
                 op, tid = header.get("op"), str(header.get("transfer_id", ""))
@@ -129,14 +164,24 @@ class TcpConnector(KVConnector):
                     if lease is None:
                         session.send({"status": "expired"})
                         continue
-                    try:  # the pin covers the send: on CPU the bytes go out straight from the cache
+                    # The pin covers the send (on CPU the bytes go out straight from the cache), and a reader too
+                    # slow to take one frame within a lease period loses its connection: the pin cannot outlive
+                    # the lease it extended.
+                    deadline = Deadline(self.config.kv_lease_seconds, conn)
+                    try:
                         start, count = int(header["start"]), int(header["count"])
                         ids = lease.block_ids[start:start + count]
                         payload = self._views(ids) if self._flat else [self._gather(ids)]
                         session.send({"status": "ok", "count": len(ids)}, payload)
                     finally:
+                        deadline.cancel()
                         self._unpin(tid)
-                    self.stats.bytes_sent += len(ids) * self.bytes_per_block
+                        if deadline.hit:
+                            self._count("slow_reader")
+                            logger.warning("KV read of transfer %s took over kv_lease_seconds: connection closed",
+                                           tid)
+                    with self._lock:
+                        self.stats.bytes_sent += len(ids) * self.bytes_per_block
                 elif op == "done":
                     with self._lock:
                         if tid in self.leases:
@@ -147,15 +192,19 @@ class TcpConnector(KVConnector):
         except TIMEOUTS:  # an idle or stalled peer: nothing to answer
             pass
         except ssl.SSLError as e:  # e.g. a consumer without TLS
-            self.stats.failures["tls"] += 1
+            self._count("tls")
             logger.warning("KV connection refused: TLS handshake failed (consumer without TLS?): %s", e)
-        except OSError:  # the peer went away: nothing to answer
+        except OSError:  # the peer went away, or a deadline shut the connection: nothing to answer
             pass
-        except (ProtocolError, ValueError, KeyError) as e:
-            self.stats.failures[type(e).__name__] += 1
-            logger.warning("KV connection refused or broken: %s", e)
+        except Exception as e:  # a broken or malformed frame (ProtocolError, ValueError, ...): this connection only
+            self._count(type(e).__name__)
+            logger.warning("KV connection refused or broken: %s: %s", type(e).__name__, e)
         finally:
             conn.close()
+
+    def _count(self, cause: str) -> None:
+        with self._lock:  # server, loader and engine threads all count
+            self.stats.failures[cause] += 1
 
     def _pin(self, tid: str) -> Optional[Lease]:
         with self._lock:
@@ -197,6 +246,8 @@ class TcpConnector(KVConnector):
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         params = req.kv_transfer_params or {}
+        if self._server is None:  # consumer only: no KV server that a decoder could read these blocks from
+            return False, None
         if not params.get("do_remote_decode") or req.status not in (RequestStatus.FINISHED_STOPPED,
                                                                     RequestStatus.FINISHED_LENGTH):
             return False, None
@@ -226,15 +277,17 @@ class TcpConnector(KVConnector):
         if not p.get("do_remote_prefill"):
             return 0
         n = req.num_prompt_tokens
-        why = None
-        if not self.peer_allowed(str(p.get("remote_host")), int(p.get("remote_port", -1))):
+        why, peer_ok = None, self.peer_allowed(str(p.get("remote_host")), int(p.get("remote_port", -1)))
+        if not peer_ok:
             why = f"KV peer {p.get('remote_host')}:{p.get('remote_port')} is not in kv_peers"
         elif p.get("num_prompt_tokens") != n or p.get("prompt_hash") != prompt_hash(req.prompt_token_ids):
             why = "prompt hash mismatch (different tokenization on P and D)"
         if why:
             req.kv_load_error = why
-            self.stats.failures["rejected"] += 1
+            self._count("rejected")
             logger.warning("request %s: not loading remote KV: %s", req.request_id, why)
+            if peer_ok:  # a peer this side may dial: tell it to free the lease now (never dial one outside kv_peers)
+                self._queued.append(LoadJob(req.request_id, dict(p), 0, []))
             return 0
         if num_local_computed >= n - 1:  # all cached here: nothing to pull, but P must hear `done` to free its
             self._queued.append(LoadJob(req.request_id, dict(p), 0, []))  # lease now, not at expiry (as vLLM's Nixl)
@@ -242,6 +295,10 @@ class TcpConnector(KVConnector):
         return n - 1 - num_local_computed
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        """`block_ids` empty: the scheduler could not allocate and prefills locally; only P's lease is released."""
+        if not block_ids:
+            self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), 0, []))
+            return
         first = num_local_computed // self.block_size
         last = cdiv(req.num_prompt_tokens - 1, self.block_size)
         self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), first, block_ids[first:last]))
@@ -254,48 +311,65 @@ class TcpConnector(KVConnector):
         for job in meta.loads:
             with self._lock:
                 self._inflight.add(job.request_id)
-            self._pool.submit(self._pull, job)
+            self._pool.submit(self._pull, job, time.monotonic())
 
-    def _pull(self, job: LoadJob) -> None:
-        p, t0 = job.params, time.monotonic()
+    def _pull(self, job: LoadJob, queued: float) -> None:
+        """A load, or with no `dst_blocks` a bare `done` that only releases P's lease. Either has
+        kv_transfer_timeout from `queued` in all (time spent waiting for a worker counts)."""
+        p, t0, bare = job.params, time.monotonic(), not job.dst_blocks
+        left = queued + self.config.kv_transfer_timeout - t0
+        sock = deadline = None
         try:
-            with socket.create_connection((p["remote_host"], int(p["remote_port"])),
-                                          timeout=self.config.kv_transfer_timeout) as sock:
-                tune(sock, self.config.kv_transfer_timeout)
-                if self._tls_client is not None:
-                    sock = self._tls_client.wrap_socket(sock, server_hostname=p["remote_host"])
-                session = client_handshake(sock, self.token, self.compat)
-                # All reads go out first, so P sends the next batch while this side receives the previous one.
-                batches = [job.dst_blocks[i:i + BLOCKS_PER_READ] for i in range(0, len(job.dst_blocks),
-                                                                               BLOCKS_PER_READ)]
-                for i, dst in enumerate(batches):
-                    session.send({"op": "read", "transfer_id": p["transfer_id"],
-                                  "start": job.src_start + i * BLOCKS_PER_READ, "count": len(dst)})
-                for dst in batches:
-                    # Straight into the request's own blocks; if the frame then fails authentication, the load
-                    # fails and the scheduler drops these blocks unpublished.
-                    nbytes = len(dst) * self.bytes_per_block
-                    into = self._views(dst) if self._flat else [memoryview(bytearray(nbytes))]
-                    header, _ = session.recv(into=into)
-                    if header.get("status") != "ok" or header.get("count") != len(dst):
-                        raise ProtocolError(f"producer answered {header.get('status')!r} for transfer "
-                                            f"{p['transfer_id']}")
-                    if not self._flat:
-                        self._scatter(dst, into[0])
+            if left <= 0:
+                raise TimeoutError("kv_transfer_timeout passed while queued behind other loads")
+            sock = socket.create_connection((p["remote_host"], int(p["remote_port"])), timeout=left)
+            deadline = Deadline(queued + self.config.kv_transfer_timeout - time.monotonic(), sock)
+            tune(sock, self.config.kv_transfer_timeout)
+            if self._tls_client is not None:
+                sock = deadline.sock = self._tls_client.wrap_socket(sock, server_hostname=p["remote_host"])
+            if deadline.hit:  # it fired on the plain socket the wrapper had just detached
+                raise TimeoutError("kv_transfer_timeout")
+            session = client_handshake(sock, self.token, self.compat)
+            # All reads go out first, so P sends the next batch while this side receives the previous one.
+            batches = [job.dst_blocks[i:i + BLOCKS_PER_READ] for i in range(0, len(job.dst_blocks),
+                                                                           BLOCKS_PER_READ)]
+            for i, dst in enumerate(batches):
+                session.send({"op": "read", "transfer_id": p["transfer_id"],
+                              "start": job.src_start + i * BLOCKS_PER_READ, "count": len(dst)})
+            for dst in batches:
+                # Straight into the request's own blocks; if the frame then fails authentication, the load
+                # fails and the scheduler drops these blocks unpublished.
+                nbytes = len(dst) * self.bytes_per_block
+                into = self._views(dst) if self._flat else [memoryview(bytearray(nbytes))]
+                header, _ = session.recv(into=into)
+                if header.get("status") != "ok" or header.get("count") != len(dst):
+                    raise ProtocolError(f"producer answered {header.get('status')!r} for transfer "
+                                        f"{p['transfer_id']}")
+                if not self._flat:
+                    self._scatter(dst, into[0])
+                with self._lock:
                     self.stats.bytes_received += nbytes
-                session.send({"op": "done", "transfer_id": p["transfer_id"]})
-                session.recv(into=[])
-            with self._lock:
-                self._done.add(job.request_id)
-        except Exception as e:  # every failure ends in the scheduler's failure policy
-            cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
-            self.stats.failures[cause] += 1
-            logger.warning("request %s: KV load failed (%s): %s", job.request_id, cause, e)
-            with self._lock:
-                self._failed[job.request_id] = f"KV load failed ({cause}): {e}"
+            session.send({"op": "done", "transfer_id": p["transfer_id"]})
+            session.recv(into=[])
+            if not bare:  # a bare done is nobody's load: the request already prefills here
+                with self._lock:
+                    self._done.add(job.request_id)
+        except Exception as e:
+            cause = "timeout" if isinstance(e, TIMEOUTS) or (deadline and deadline.hit) else type(e).__name__
+            if bare:  # P frees the lease at expiry instead
+                logger.info("request %s: could not release the producer's lease (%s): %s", job.request_id, cause, e)
+            else:  # every failed load ends in the scheduler's failure policy
+                self._count(cause)
+                logger.warning("request %s: KV load failed (%s): %s", job.request_id, cause, e)
+                with self._lock:
+                    self._failed[job.request_id] = f"KV load failed ({cause}): {e}"
         finally:
-            self.stats.seconds_receiving += time.monotonic() - t0
+            if deadline is not None:
+                deadline.cancel()
+            if sock is not None:
+                sock.close()  # the TLS wrapper when there is one: it owns the descriptor (the plain one is detached)
             with self._lock:
+                self.stats.seconds_receiving += 0.0 if bare else time.monotonic() - t0
                 self._inflight.discard(job.request_id)
 
     def _scatter(self, dst: list[int], payload: memoryview) -> None:

@@ -220,7 +220,8 @@ def test_zz_drain_timeout_drops_unclaimed_lease(dep):
     """Last: P2 (drain timeout 1.5 s) is stopped with a lease no D claims; it waits out the timeout, exits 0, and a
     late D finds it gone and recomputes the prompt itself."""
     p2, d2 = dep["P2"], dep["D2"]
-    params = prefill_directly(p2, PROMPTS[11])
+    prompt = PROMPTS[11] + "\n# never seen by D2"  # a D2 prefix-cache hit would need no pull, and count no failure
+    params = prefill_directly(p2, prompt)
     t0 = time.monotonic()
     p2.proc.send_signal(signal.SIGTERM)
     assert p2.proc.wait(10) == 0
@@ -228,7 +229,7 @@ def test_zz_drain_timeout_drops_unclaimed_lease(dep):
     log = p2.log()
     assert "dropping 1 open KV lease(s)" in log, log[-3000:]
     failures = kv_failures(dep, "D2")
-    assert decode_directly(d2, PROMPTS[11], params) == reference(dep, PROMPTS[11])
+    assert decode_directly(d2, prompt, params) == reference(dep, prompt)
     assert kv_failures(dep, "D2") == failures + 1
     pools_whole(dep, "P1", "D1", "D2")
 

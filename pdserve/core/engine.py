@@ -1,6 +1,7 @@
 """LLMEngine: tokenization, validation, the schedule -> run -> update step, and detokenized outputs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -282,9 +283,11 @@ class LLMEngine:
         stats = getattr(self.connector, "stats", None)
         if stats is None:
             return None
-        return {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-                "seconds_receiving": stats.seconds_receiving, "failures": dict(stats.failures),
-                "leased_blocks": self.num_leased_blocks()}
+        # under the connector's lock: a loader thread adding a failure cause mid-copy would break the iteration
+        with getattr(self.connector, "_lock", None) or contextlib.nullcontext():
+            out = {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                   "seconds_receiving": stats.seconds_receiving, "failures": dict(stats.failures)}
+        return {**out, "leased_blocks": self.num_leased_blocks()}
 
     def num_leased_blocks(self) -> int:
         return sum(len(self.kv.blocks_of(r)) for r in self.scheduler.leased)

@@ -92,6 +92,22 @@ class Deployment:
                 raise TimeoutError(f"{self.arm}: {pending[0].name} not healthy after {timeout:.0f} s "
                                    f"(log: {pending[0].log_path})")
             time.sleep(0.2)
+        # A router's health checks lag its nodes' by up to a second: until it sees every node back, it would send
+        # requests to D alone (D prefills them, and they count as non-FULL steps that are only a start-up artefact).
+        for router in (c for c in self.children if c.name == "router"):
+            while not self._router_sees_all(router.url):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.arm}: the router does not see every node healthy after "
+                                       f"{timeout:.0f} s (log: {router.log_path})")
+                time.sleep(0.2)
+
+    @staticmethod
+    def _router_sees_all(url: str) -> bool:
+        try:
+            nodes = httpx.get(url + "/nodes", timeout=2.0).json()
+            return all(n["healthy"] for n in nodes["prefill"] + nodes["decode"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
 
     def stop(self, timeout: float = 20.0) -> list[str]:
         """SIGTERM every child (routers first, so nodes drain idle), then SIGKILL what is left; returns the names of

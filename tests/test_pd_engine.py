@@ -56,6 +56,14 @@ def decode_on(d, prompts, params, max_tokens=16) -> dict:
     return {int(k[1:]): v for k, v in drain(d).items()}
 
 
+def params_for_peer(d, prompt, port) -> dict:
+    """Signed remote-prefill params that send D to a local peer of the test's making."""
+    from pdserve.transfer.tcp import prompt_hash
+    ids = d.get_tokenizer()(prompt).input_ids
+    return sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+                        "remote_port": port, "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids)}, "secret")
+
+
 def expire_leases(p):
     for lease in p.engine.connector.leases.values():
         lease.expiry = 0.0
@@ -134,11 +142,7 @@ def test_transfer_timeout_recomputes(qwen3_tiny, collocated):
     held = []
     threading.Thread(target=lambda: held.append(srv.accept()), daemon=True).start()
     d = consumer(qwen3_tiny)
-    from pdserve.transfer.tcp import prompt_hash
-    ids = d.get_tokenizer()(PROMPTS[2]).input_ids
-    fake = sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
-                        "remote_port": srv.getsockname()[1], "num_prompt_tokens": len(ids),
-                        "prompt_hash": prompt_hash(ids)}, "secret")
+    fake = params_for_peer(d, PROMPTS[2], srv.getsockname()[1])
     t0 = time.monotonic()
     out = decode_on(d, [PROMPTS[2]], [fake])
     assert time.monotonic() - t0 < 5
@@ -167,11 +171,7 @@ def test_trickling_producer_hits_overall_deadline(qwen3_tiny, collocated):
 
     threading.Thread(target=trickle, daemon=True).start()
     d = consumer(qwen3_tiny, kv_transfer_timeout=1.5)
-    from pdserve.transfer.tcp import prompt_hash
-    ids = d.get_tokenizer()(PROMPTS[2]).input_ids
-    fake = sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
-                        "remote_port": srv.getsockname()[1], "num_prompt_tokens": len(ids),
-                        "prompt_hash": prompt_hash(ids)}, "secret")
+    fake = params_for_peer(d, PROMPTS[2], srv.getsockname()[1])
     t0 = time.monotonic()
     out = decode_on(d, [PROMPTS[2]], [fake])
     assert time.monotonic() - t0 < 3.5

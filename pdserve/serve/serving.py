@@ -23,6 +23,21 @@ logger = logging.getLogger("pdserve.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+async def _unless_disconnected(coro, request: Request) -> asyncio.Task:
+    """Runs `coro` until it ends or the client goes away (or we are cancelled); then it is cancelled, which aborts
+    the request through the generator it awaits (see AsyncEngine.stream). Returns the done or cancelled task."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -76,15 +91,7 @@ class OpenAIServing:
                 recs += await gen.__anext__()
             return recs
 
-        task = asyncio.ensure_future(until_first())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():  # cancelling the generator's wait aborts the request (see AsyncEngine.stream)
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        task = await _unless_disconnected(until_first(), request)
         if task.cancelled() or task.exception() is not None:
             await gen.aclose()  # a no-op after a cancel: the generator's own exit sent the abort
             return None if task.cancelled() else task.result()  # (re-raises)
@@ -111,15 +118,7 @@ class OpenAIServing:
                     for rec in recs:
                         builder.add(rec)
 
-        task = asyncio.ensure_future(run())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():  # the client went away (or we were cancelled): abort via the generator
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        task = await _unless_disconnected(run(), request)
         if task.cancelled():
             return Response(status_code=499)
         task.result()

@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,56 +29,15 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.bench.launcher import Deployment, launch
+from pdserve.bench.server_metrics import scrape_ttft_stages, ttft_split_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_transfer import busy_jiffies, log, proc_cpu, wait_quiet  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 TOKEN = "pd-ttft-bench"
 COMMON = ["--max-model-len", "1024", "--kv-cache-memory-gb", "0.3", "--log-level", "warning"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.logf = tempfile.NamedTemporaryFile("w+", prefix="pdserve-ttft-", suffix=".log", delete=False)
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args, "--port", str(self.port)],
-                                     cwd=REPO, stdout=self.logf, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def wait_healthy(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.proc.args[3]} did not start:\n{Path(self.logf.name).read_text()[-3000:]}")
-
-    def pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(x) for x in out.split()]
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.logf.close()
-        os.unlink(self.logf.name)
 
 
 def one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
@@ -103,9 +60,16 @@ def pct(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, round(q * (len(v) - 1)))]
 
 
-def ours(procs: list[Proc]) -> float:
+def group_pids(dep: Deployment) -> list[int]:
+    out = []
+    for c in dep.children:
+        out += subprocess.run(["pgrep", "-g", str(c.proc.pid)], capture_output=True, text=True).stdout.split()
+    return [int(x) for x in out]
+
+
+def ours(dep: Deployment) -> float:
     total = 0.0
-    for pid in [os.getpid()] + [pid for p in procs for pid in p.pids()]:
+    for pid in [os.getpid()] + group_pids(dep):
         try:
             total += proc_cpu(pid)
         except OSError:  # a short-lived helper process
@@ -113,13 +77,13 @@ def ours(procs: list[Proc]) -> float:
     return total
 
 
-def load_phase(procs: list[Proc], prompts: list[list[int]], rate: float, max_tokens: int, max_wait: float) -> dict:
-    url, rng = procs[-1].url, random.Random(1)
+def load_phase(dep: Deployment, prompts: list[list[int]], rate: float, max_tokens: int, max_wait: float) -> dict:
+    url, rng = dep.url, random.Random(1)
     for _ in range(3):  # warm-up at the measured sizes (first pulls, first steps of each shape), not timed
         one(url, [rng.randrange(3, 8000) for _ in range(len(prompts[0]))], max_tokens)
         time.sleep(0.5)
     load = wait_quiet(max_wait)
-    b0, t0, c0 = *busy_jiffies(), ours(procs)
+    b0, t0, c0 = *busy_jiffies(), ours(dep)
     res: list = [None] * len(prompts)
 
     def fire(i):
@@ -133,24 +97,12 @@ def load_phase(procs: list[Proc], prompts: list[list[int]], rate: float, max_tok
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    (b1, t1), c1 = busy_jiffies(), ours(procs)
+    (b1, t1), c1 = busy_jiffies(), ours(dep)
     ttft = [r[0] for r in res]
     busy = (b1 - b0) / max(t1 - t0, 1) * os.cpu_count()
     return {"ttft_median_s": statistics.median(ttft), "ttft_p90_s": pct(ttft, 0.9), "ttft_s": ttft,
             "token_ids": [r[1] for r in res], "loadavg_1m_before": load, "wall_s": wall,
             "machine_busy_cores_during": busy, "other_cores_during": max(0.0, busy - (c1 - c0) / wall)}
-
-
-def router_split(url: str) -> dict:
-    """Mean seconds per stage of the router's pdserve_router_ttft_seconds histogram."""
-    sums, counts = {}, {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in fam.samples:
-            if s.name.endswith("_sum"):
-                sums[s.labels.get("stage")] = s.value
-            elif s.name.endswith("_count"):
-                counts[s.labels.get("stage")] = s.value
-    return {k: sums[k] / counts[k] for k in sums if counts.get(k)}
 
 
 def main() -> None:
@@ -169,9 +121,9 @@ def main() -> None:
         args.model = str(ensure_model("qwen3", "small", 0))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    def run(procs):  # redone while other processes used more than 0.3 cores during it
+    def run(dep):  # redone while other processes used more than 0.3 cores during it
         for attempt in range(args.retries + 1):
-            out = load_phase(procs, prompts, args.rate, args.max_tokens, args.wait_idle)
+            out = load_phase(dep, prompts, args.rate, args.max_tokens, args.wait_idle)
             if out["other_cores_during"] < 0.3:
                 break
             log(f"  others used {out['other_cores_during']:.2f} cores during the phase: redoing it")
@@ -180,32 +132,20 @@ def main() -> None:
     result = {"model": args.model, "requests": args.requests, "rate_per_s": args.rate, "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
-    c = Proc("serve", args.model, *COMMON)
-    try:
-        c.wait_healthy()
-        log("collocated: up")
-        result["collocated"] = run([c])
-    finally:
-        c.close()
-    kv = {"kv_connector": "TcpConnector", "kv_auth_token": TOKEN}
-    kv_port = free_port()
-    p = Proc("serve", args.model, *COMMON, "--kv-transfer-config",
-             json.dumps({**kv, "kv_role": "kv_producer", "kv_port": kv_port}))
-    d = Proc("serve", args.model, *COMMON, "--kv-transfer-config",
-             json.dumps({**kv, "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}))
-    procs = [p, d]
-    try:
-        p.wait_healthy()
-        d.wait_healthy()
-        r = Proc("router", "--prefill", p.url, "--decode", d.url, "--kv-auth-token", TOKEN, "--log-level", "warning")
-        procs.append(r)
-        r.wait_healthy()
-        log("1P1D: up")
-        result["pd"] = run(procs)
-        result["pd"]["router_ttft_split_mean_s"] = router_split(r.url)
-    finally:
-        for x in reversed(procs):
-            x.close()
+    os.environ.setdefault("OMP_NUM_THREADS", "2")  # every server 2 threads, as measured (see the docstring)
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
+    for arm, key in (("collocated", "collocated"), ("default", "pd")):
+        dep = Deployment(arm, logs)
+        try:
+            launch(dep, args.model, COMMON, TOKEN)
+            dep.wait_healthy(300.0)
+            log(f"{key}: up")
+            result[key] = run(dep)
+            if key == "pd":  # the router's histograms hold only the measured requests' and the warm-up's
+                result[key]["router_ttft_split_mean_s"] = {
+                    k: v / 1e3 for k, v in ttft_split_ms(None, scrape_ttft_stages(dep.url)).items()}
+        finally:
+            dep.stop(60.0)
     col, pd = result["collocated"], result["pd"]
     result["same_tokens"] = col["token_ids"] == pd["token_ids"]
     result["added_ttft_median_s"] = pd["ttft_median_s"] - col["ttft_median_s"]

@@ -4,8 +4,8 @@ On CUDA each callable is captured once at start-up into a `torch.cuda.CUDAGraph`
 pool) and replayed per step. On CPU nothing can be captured: the same callable runs eagerly on the same buffers.
 Its attention reads fixed block-table widths: the whole table on CUDA (a graph's shapes are frozen); on CPU the
 rows, laid out by context width, form up to 4 groups, each attending through its widest row rounded up to 4
-blocks, so an eager FULL step does not pay for max_model_len keys per row (the K/V gather is most of a CPU decode
-step). Each (descriptor, layout) callable still has fixed shapes.
+blocks and capped at the table's width, so an eager FULL step does not pay for max_model_len keys per row (the
+K/V gather is most of a CPU decode step). Each (descriptor, layout) callable still has fixed shapes.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class FullGraphRunner:
         full = self.buffers.max_blocks
         if self.device.type == "cuda":
             return ((0, desc.num_reqs, full),)
-        return width_groups(row_blocks, desc.num_reqs, round_to=4)
+        return width_groups(row_blocks, desc.num_reqs, round_to=4, max_width=full)
 
     def step_callable(self, desc: BatchDescriptor, layout: tuple) -> Callable[[], torch.Tensor]:
         key = (desc, layout)

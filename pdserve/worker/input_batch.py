@@ -13,6 +13,7 @@ import torch
 from pdserve.core.block_pool import NULL_BLOCK
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.worker.attention import AttentionMetadata, AttnGroup
+from pdserve.worker.staging import CudaStaging
 
 
 @dataclass
@@ -28,12 +29,12 @@ class PreparedBatch:
     layout: tuple | None = None  # FULL steps: the attention groups the buffers were filled for
 
 
-def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int = 4, round_to: int = 1
-                 ) -> tuple[tuple[int, int, int], ...]:
+def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int = 4, round_to: int = 1,
+                 max_width: int | None = None) -> tuple[tuple[int, int, int], ...]:
     """Split rows sorted by context width into up to `max_groups` contiguous groups of near-equal size, each
-    attending through its own widest row (rounded up to `round_to` blocks). The K/V gather is most of a CPU decode
-    step, and one width for all rows makes every short row pay for the longest. Rows past len(widths) (padding)
-    join the last group."""
+    attending through its own widest row (rounded up to `round_to` blocks, never past `max_width`, the table's
+    width). The K/V gather is most of a CPU decode step, and one width for all rows makes every short row pay for
+    the longest. Rows past len(widths) (padding) join the last group."""
     n = len(widths)
     k = max(1, min(max_groups, n))
     bounds = [round(i * n / k) for i in range(k + 1)]
@@ -42,18 +43,21 @@ def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int
         r0, r1 = bounds[i], bounds[i + 1]
         if r1 > r0:
             w = max(widths[r0:r1])
-            out.append([r0, r1, -(-w // round_to) * round_to])
+            w = -(-w // round_to) * round_to
+            out.append([r0, r1, w if max_width is None else min(w, max_width)])
     out[-1][1] = num_rows or n
     return tuple(tuple(g) for g in out)
 
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, staging=None):
         self.block_size = block_size
         self.device = device
         self.max_blocks = max_blocks_per_req
         pin = device.type == "cuda"
+        # Host -> device copies and their fence (staging.py). Tests pass one on CPU to get separate device tensors.
+        self.staging = staging if staging is not None or not pin else CudaStaging()
         # Host staging arrays. On CPU the device tensors are views of them, so filling them is the only copy.
         self.np_input_ids = np.zeros(max_tokens, np.int64)
         self.np_positions = np.zeros(max_tokens, np.int64)
@@ -67,6 +71,7 @@ class InputBuffers:
             self.host = {n: t.pin_memory() for n, t in self.host.items()}
             self.np_input_ids, self.np_positions, self.np_slots, self.np_block_table, self.np_logits_idx = (
                 self.host[n].numpy() for n in names)
+        if self.staging is not None:
             self.dev = {n: torch.zeros_like(t, device=device) for n, t in self.host.items()}
         else:
             self.dev = self.host
@@ -80,6 +85,8 @@ class InputBuffers:
         attention groups ((first row, end row, width), ...) over the padded rows; otherwise rows are grouped by query length and context width, and padded
         tokens belong to no group."""
         bs = self.block_size
+        if self.staging is not None:
+            self.staging.wait()  # the last step's copies read these host arrays until they ran
         # Decode rows first; rows of one query length by context width, so width groups are contiguous.
         order = sorted(range(len(rows)), key=lambda i: (rows[i].num_scheduled_tokens != 1, rows[i].num_scheduled_tokens,
                                                         rows[i].num_computed_tokens))
@@ -141,8 +148,9 @@ class InputBuffers:
         return groups
 
     def _to_device(self, num_tokens: int, num_reqs: int, num_logits: int) -> None:
-        if self.dev is self.host:
+        if self.staging is None:
             return
         for name, n in (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
                         ("block_table", num_reqs), ("logits_idx", num_logits)):
-            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+            self.staging.copy(self.dev[name][:n], self.host[name][:n])
+        self.staging.record()

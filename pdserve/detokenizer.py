@@ -21,8 +21,12 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True, prompt_token_ids: Optional[Sequence[int]] = None):
+                 skip_special_tokens: bool = True, prompt_token_ids: Optional[Sequence[int]] = None,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
+        # As vLLM: text committed while there are at most min_tokens output tokens is not searched, so a stop
+        # string must end in text after it (it may start inside it).
+        self.min_tokens = min_tokens
         self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
@@ -55,13 +59,16 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: Sequence[int]) -> Optional[str]:
-        """Append tokens; return the stop string matched (and truncate the text) or None."""
-        for tok in new_token_ids:
+    def update(self, new_token_ids: Sequence[int], final: bool = False) -> Optional[str]:
+        """Append tokens; return the stop string matched (and truncate the text) or None. `final`: these are the
+        request's last tokens, so an incomplete tail is committed (and searched) now, while a match can still
+        set the finish reason, rather than by the flush in get_delta."""
+        for i, tok in enumerate(new_token_ids):
             if self.stop_reason is not None:
                 break
             self._ids.append(tok)
-            if self._advance(force=len(self._ids) - self._read >= _MAX_PENDING):
+            last = final and i == len(new_token_ids) - 1
+            if self._advance(force=last or len(self._ids) - self._read >= _MAX_PENDING):
                 return self.stop_reason
         return None
 
@@ -78,7 +85,7 @@ class IncrementalDetokenizer:
     def _append(self, new: str) -> bool:
         old_len = len(self._text)
         self._text += new
-        if not self.stop or not new:
+        if not self.stop or not new or len(self._ids) - self._n_ctx <= self.min_tokens:
             return False
         start = max(0, old_len - self._max_stop + 1)
         best = None  # (end, start, stop): the match that completes first, as if streamed char by char

@@ -51,12 +51,14 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: Optional[str] = None
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler on first use
+        self.token_counts = None  # the sampler's per-request counts for penalties, made on first use
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)
         self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV
-        self.kv_load_tried = False  # D: the connector was asked once; a failed load recomputes locally
+        self.kv_load_tried = False  # D: the load was started or given up; a failed load recomputes locally
         self.kv_load_error: Optional[str] = None
+        self.kv_lease_end: Optional[float] = None  # D: until when (this host's clock) P holds the KV to load
 
     @property
     def num_prompt_tokens(self) -> int:

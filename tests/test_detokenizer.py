@@ -234,3 +234,40 @@ def test_prompt_context_keeps_leading_space_for_metaspace():
     assert "".join(deltas) == d.output_text == " yes. Hello world"
     d, deltas, _ = stream(mtok, out)
     assert "".join(deltas) == d.output_text == mtok.decode(out) == "yes. Hello world"
+
+
+class Pieces:
+    """Token i decodes to PIECES[i] (bytes): exact control over where text and partial chars fall."""
+
+    def __init__(self, *pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop,min_tokens,n_fed,text", [
+    ("fic", 0, 2, " noti"),
+    ("fic", 3, 4, " notificfic"),  # the text of the first 3 tokens is never searched
+    ("cfi", 2, 3, " notifi"),  # as vLLM: a match must end after that text, but may start inside it
+    ("notif", 2, 5, " notificficficx"),  # wholly inside it: never matched
+])
+def test_stop_strings_wait_for_min_tokens(stop, min_tokens, n_fed, text):
+    ptok = Pieces(b" noti", b"fic", b"x")
+    d = IncrementalDetokenizer(ptok, stop=[stop], min_tokens=min_tokens)
+    got = None
+    for n, t in enumerate([0, 1, 1, 1, 2], 1):
+        if (got := d.update([t])) is not None:
+            break
+    assert (got, n, d.output_text) == (stop if n_fed < 5 else None, n_fed, text)
+
+
+def test_final_token_commits_incomplete_tail_and_matches_stop():
+    # The last token completes "ab" and starts a char that never completes: the match must be found while
+    # the finish reason can still say so, not only by the flush when the output is built.
+    ptok = Pieces(b"a", b"b\xc3")
+    d = IncrementalDetokenizer(ptok, stop=["ab"])
+    assert d.update([0]) is None and d.update([1]) is None  # not final: the tail waits for its char
+    d = IncrementalDetokenizer(ptok, stop=["ab"])
+    assert d.update([0]) is None and d.update([1], final=True) == "ab"
+    assert d.output_text == d.get_delta(finished=True) == ""

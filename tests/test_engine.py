@@ -97,6 +97,32 @@ def test_stop_token_ids_and_length(llm):
     assert len(mt.token_ids) >= 8
 
 
+def test_stop_string_waits_for_min_tokens(llm):
+    # Greedy output here is " noti" + "fic" * 7 + ...: "fic" first ends in token 2.
+    sp = dict(temperature=0, max_tokens=12, ignore_eos=True, stop=["fic"])
+    base = llm.generate(["def f(x):"], SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    assert base.text == " noti" and base.finish_reason == "stop" and len(base.token_ids) == 2
+    # As vLLM: the text of the first 3 tokens is not searched; the match ends in token 4.
+    out = llm.generate(["def f(x):"], SamplingParams(min_tokens=3, **sp), use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason, len(out.token_ids)) == (" notificfic", "stop", "fic", 4)
+    _assert_clean(llm.engine)
+
+
+def test_stop_string_in_last_allowed_token_is_stop(llm):
+    # The last token allowed by max_tokens, and by max_model_len (max_tokens None), completes a stop string:
+    # the stop wins over the length cap (as vLLM), the text is cut at it.
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, stop=["unexpected"])
+    out = llm.generate(["def f(x):"], sp, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (" noti" + "fic" * 7, "stop", "unexpected")
+    assert len(out.token_ids) == 9
+    ids = llm.get_tokenizer()("def f(x):\n    return x\n" * 80).input_ids[:500]  # greedy: 12 tokens, ending "EH"
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, stop=["EH"])
+    out = llm.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, len(out.token_ids)) == ("stop", "EH", 12)
+    assert out.text == "codecEGbreaks subclasscompletecsiso lateext differences SIXORD"
+    _assert_clean(llm.engine)
+
+
 def test_logprobs(llm):
     out = llm.generate(["x ="], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]

@@ -54,6 +54,31 @@ def test_altered_frame_fails(where):
         consumer_reading(bytes(raw)).recv()
 
 
+LENGTH_TAMPERS = {"bigger": lambda n: n + 1, "much-bigger": lambda n: n + 4096, "smaller": lambda n: n - 1,
+                  "no-payload": lambda n: n - 1024, "below-header": lambda n: 10, "zero": lambda n: 0,
+                  "max-frame": lambda n: 1 << 31, "huge": lambda n: (1 << 64) - 1}
+
+
+@pytest.mark.parametrize("into", ["views", "empty", "none"])
+@pytest.mark.parametrize("tamper", LENGTH_TAMPERS)
+def test_altered_length_prefix_is_refused(tamper, into):
+    """The length prefix is outside the tag: a wrong one must still be refused at once, never read past the frame
+    (the writer stays open, so that would wait) nor make the reader allocate what it claims."""
+    raw = bytearray(frame_bytes({"status": "ok"}, bytes(range(256)) * 4))
+    n = int.from_bytes(raw[:8], "big")
+    if into == "none" and tamper.endswith("bigger"):
+        pytest.skip("without views the reader cannot tell a longer frame from a slow one: it waits for the bytes")
+    raw[:8] = LENGTH_TAMPERS[tamper](n).to_bytes(8, "big")
+    a, b = socket.socketpair()
+    a.sendall(bytes(raw))
+    b.settimeout(2)  # a read past the frame times out instead of hanging the test
+    views = {"views": [memoryview(bytearray(1024))], "empty": [], "none": None}[into]
+    with pytest.raises(ProtocolError):
+        Session(b, KEY, is_consumer=True).recv(into=views)
+    a.close()
+    b.close()
+
+
 def test_replayed_or_reflected_frame_fails():
     f0 = frame_bytes({"n": 0}, b"kv")
     d = consumer_reading(f0, f0)
@@ -113,6 +138,30 @@ def test_malformed_hello_refused_and_server_lives_on(kv_server, hello, monkeypat
     assert session.recv(into=[])[0] == {"status": "expired"}
     good.close()
     assert not crashed
+
+
+HELLO = b'{"role": "kv_consumer", "nonce": "' + b"00" * 16 + b'", "compat": {"model": "m"}}'
+
+
+@pytest.mark.parametrize("raw", [(0).to_bytes(8, "big") + HELLO, (5).to_bytes(8, "big") + HELLO,
+                                 (len(HELLO) + 100).to_bytes(8, "big") + HELLO,  # waits: cut by the deadline
+                                 ((1 << 16) + 1).to_bytes(8, "big") + HELLO, ((1 << 64) - 1).to_bytes(8, "big")],
+                         ids=["zero", "smaller", "bigger", "over-limit", "huge"])
+def test_hello_with_a_wrong_length_prefix_refused(kv_server, raw):
+    from pdserve.transfer.protocol import client_handshake
+    bad = socket.create_connection(("127.0.0.1", kv_server.port))
+    bad.settimeout(3)  # kv_transfer_timeout (1 s) bounds the whole handshake
+    bad.sendall(raw)
+    try:
+        assert bad.recv(100) == b""  # closed, nothing answered
+    except ConnectionResetError:
+        pass  # closed with some of our bytes unread: the kernel answers with a reset
+    bad.close()
+    good = socket.create_connection(("127.0.0.1", kv_server.port))
+    session = client_handshake(good, b"secret", {"model": "m"})
+    session.send({"op": "read", "transfer_id": "unknown", "start": 0, "count": 1})
+    assert session.recv(into=[])[0] == {"status": "expired"}
+    good.close()
 
 
 def test_client_refuses_a_short_producer_nonce():

@@ -183,22 +183,84 @@ def test_trickling_producer_hits_overall_deadline(qwen3_tiny, collocated):
     d.engine.shutdown()
 
 
-@pytest.mark.parametrize("why", ["no_blocks", "hash_mismatch"])
+def short_of_blocks(d, monkeypatch, until):
+    """D's pool refuses every allocation while `until()` holds (a momentary shortage)."""
+    kv = d.engine.scheduler.kv
+    real = kv.allocate_slots
+    monkeypatch.setattr(kv, "allocate_slots", lambda *a: not until() and real(*a))
+
+
+@pytest.mark.parametrize("why", ["lease_ran_out", "hash_mismatch"])
 def test_local_fallback_releases_producer_lease_at_once(pd, collocated, why, monkeypatch):
-    """D prefills locally (no blocks for the load, or params it rejects): P still hears `done` and frees the lease
-    at once, not at expiry (30 s); a bare `done` is no failed load."""
+    """D prefills locally (blocks short until the lease it was told of ran out, or params it rejects): P still hears
+    `done` and frees the lease at once, not at expiry (30 s); a bare `done` is no failed load."""
     p, d = pd
     params = prefill_on(p, PROMPTS[2:3])
     if why == "hash_mismatch":
         params[0] = sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")
     else:
-        kv, calls = d.engine.scheduler.kv, []
-        real = kv.allocate_slots
-        monkeypatch.setattr(kv, "allocate_slots", lambda *a: bool(calls.append(1) or len(calls) > 1) and real(*a))
+        params[0] = sign_params({**params[0], "lease_seconds": 0.2}, "secret")  # P's own lease is 30 s...
+        monkeypatch.setattr(p.engine.connector, "_renew", lambda tid: 0.0)  # ...but it will not renew it
+        t_end = time.monotonic() + 0.5
+        short_of_blocks(d, monkeypatch, lambda: time.monotonic() < t_end)
     out = decode_on(d, PROMPTS[2:3], params)
     assert out[0].outputs[0].token_ids == collocated[2]
     assert d.engine.connector.stats.bytes_received == 0
     assert d.engine.connector.stats.failures == ({"rejected": 1} if why == "hash_mismatch" else {})
+    drain(p, deadline=5)
+    assert p.engine.connector.stats.failures["lease_expired"] == 0
+    assert_whole(p, d)
+
+
+def test_momentary_shortage_waits_for_remote_kv(pd, collocated, monkeypatch):
+    """No blocks for the load on D's first tries: the request waits and loads P's KV once blocks free up, instead of
+    giving the lease up and prefilling off the FULL graph."""
+    p, d = pd
+    params = prefill_on(p, PROMPTS[1:4])
+    tries = []
+    short_of_blocks(d, monkeypatch, lambda: len(tries) < 5 and not tries.append(1))
+    out = decode_on(d, PROMPTS[1:4], params)
+    assert [out[i].outputs[0].token_ids for i in range(3)] == collocated[1:4]
+    assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+    assert d.engine.graph_stats()["non_full_by_reason"] == {}  # no local prefill
+    drain(p, deadline=5)
+    assert_whole(p, d)
+
+
+def test_waiting_consumer_renews_the_lease(qwen3_tiny, collocated, monkeypatch):
+    """P leases for 0.6 s; D is short of blocks for 1.5 s. D renews the lease while it waits, then loads it."""
+    p, d = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.6), consumer(qwen3_tiny)
+    try:
+        params = prefill_on(p, PROMPTS[3:4])
+        assert params[0]["lease_seconds"] == 0.6
+        t_end = time.monotonic() + 1.5
+        short_of_blocks(d, monkeypatch, lambda: time.monotonic() < t_end)
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        d.engine.add_request(PROMPTS[3], sp, request_id="d0", kv_transfer_params=params[0])
+        done = {}
+        while d.engine.has_unfinished_requests():
+            assert time.monotonic() - t_end < 10
+            p.engine.step()  # P serves the renewals (it frees leases in its own steps)
+            done.update({o.request_id: o for o in d.engine.step() if o.finished})
+        assert done["d0"].outputs[0].token_ids == collocated[3]
+        assert d.engine.connector.stats.bytes_received > 0
+        drain(p, deadline=5)
+        assert p.engine.connector.stats.failures["lease_expired"] == 0
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()
+
+
+def test_abort_while_short_of_blocks_releases_lease(pd, monkeypatch):
+    p, d = pd
+    params = prefill_on(p, PROMPTS[3:4])
+    short_of_blocks(d, monkeypatch, lambda: True)
+    d.engine.add_request(PROMPTS[3], SamplingParams(max_tokens=8), request_id="gone", kv_transfer_params=params[0])
+    for _ in range(3):
+        d.engine.step()
+    assert d.engine.abort_request("gone").outputs[0].finish_reason == "abort"
+    drain(d)
     drain(p, deadline=5)
     assert p.engine.connector.stats.failures["lease_expired"] == 0
     assert_whole(p, d)
@@ -483,3 +545,31 @@ def test_kv_cli_flags_fold_into_kv_transfer_config(qwen3_tiny):
     ns.kv_tls_cert, ns.kv_tls_key = "/nonexistent.pem", "/nonexistent.key"
     with pytest.raises(ValueError, match="kv_tls_cert"):
         EngineConfig.from_kwargs(qwen3_tiny, kv_transfer_config=_kv_transfer_config(ns))
+
+
+def test_imports_filling_the_pool_make_progress(qwen3_tiny):
+    """D's pool (8 usable blocks of 16) fits exactly four 32-token imports; each replay of a 33-token prompt then
+    needs a third block. Loads used to take all 8 and wait for a block forever; now every request finishes."""
+    prompts = [[7 + 11 * i + j for j in range(33)] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = dict(max_model_len=128, num_gpu_blocks_override=9)
+    ref = [o.outputs[0].token_ids for o in LLM(qwen3_tiny, **small).generate(prompts, sp, use_tqdm=False)]
+    p = producer(qwen3_tiny, free_port())
+    d = LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
+                                            "kv_auth_token": "secret"}, **small)
+    try:
+        params = prefill_on(p, prompts)
+        for i, (prompt, kp) in enumerate(zip(prompts, params)):
+            d.engine.add_request(prompt, sp, request_id=f"d{i}", kv_transfer_params=kp)
+        done, steps = {}, 0
+        while d.engine.has_unfinished_requests():
+            steps += 1
+            assert steps < 2000, f"no progress: {d.engine.scheduler.waiting}"
+            done.update({o.request_id: o for o in d.engine.step() if o.finished})
+        assert [done[f"d{i}"].outputs[0].token_ids for i in range(4)] == ref
+        assert d.engine.connector.stats.bytes_received > 0
+        drain(p, deadline=5)
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()

@@ -108,7 +108,7 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids)
+            skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
         self._released[request_id] = ""
         self._metrics[request_id] = RequestMetrics(req.arrival_time)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
@@ -142,7 +142,7 @@ class LLMEngine:
         if n < 2:
             return req  # nothing to import: it is a fresh one-token prompt
         hits, num_hit = self.kv.get_computed_blocks(req)
-        if not self.kv.allocate_slots(req, n - 1 - num_hit, hits):
+        if not self.kv.allocate_slots(req, n - num_hit, hits):  # the replay's slot too, as a remote load
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, "no free KV blocks")
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
@@ -244,10 +244,15 @@ class LLMEngine:
             m.last_token_time = now
             if rid in lp_by_req:
                 req.logprobs.append(lp_by_req[rid])
-            stop = self._detok[rid].update([req.output_token_ids[-1]])
-            if stop is not None and not req.is_finished:
+            stop = self._detok[rid].update([req.output_token_ids[-1]], final=req.is_finished)
+            if stop is not None:
+                # As vLLM, a stop string wins over the stop the scheduler saw in the same token (the length cap,
+                # EOS, a stop token id): the text was cut at the string.
                 req.stop_reason = stop
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._make_output(req, [req.output_token_ids[-1]]))
         return transfer_outputs + outputs
 
@@ -291,6 +296,35 @@ class LLMEngine:
 
     def num_leased_blocks(self) -> int:
         return sum(len(self.kv.blocks_of(r)) for r in self.scheduler.leased)
+
+    # ---- P/D: leases of requests no decode node took -------------------------------------------------------------
+    def _connector_calls(self, name: str) -> list:
+        """The connector's method `name`, or its children's (MultiConnector); [] without one."""
+        if self.connector is None:
+            return []
+        return [f for c in getattr(self.connector, "children", [self.connector]) if (f := getattr(c, name, None))]
+
+    def release_remote_kv(self, params, request_id: str) -> bool:
+        """D: remote-prefill `params` of a request this engine refused, or never started loading: tell P to end its
+        lease now (a bare `done`). Only for params whose router proof holds, so a client can never make D dial a
+        host of its choosing, and only to a peer in kv_peers. True if a `done` is on its way."""
+        if not isinstance(params, dict) or not params.get("do_remote_prefill") or self.connector is None:
+            return False
+        if not verify_params(params, self.config.kv_transfer.auth_token()):
+            return False
+        return any(f(params, request_id) for f in self._connector_calls("release_remote"))
+
+    def release_lease(self, params) -> str:
+        """P: end the lease that `params` (as P returned them, signed by the router) name: what the router asks when
+        no decode node took the request. "released"; "unknown" (no such open lease: never made here, already
+        released or expired); "forbidden" (no valid router proof); "unsupported" (this engine keeps no leases)."""
+        calls = self._connector_calls("release_lease")
+        if not calls or self.config.kv_transfer.kv_role == "kv_consumer":
+            return "unsupported"
+        if not isinstance(params, dict) or not verify_params(params, self.config.kv_transfer.auth_token()):
+            return "forbidden"
+        tid, rid = str(params.get("transfer_id", "")), str(params.get("remote_request_id", ""))
+        return "released" if any(f(tid, rid) for f in calls) else "unknown"
 
 
 def load_tokenizer(model_dir: str):

@@ -107,8 +107,10 @@ class Scheduler:
                 hits, num_hit = [], req.num_computed_tokens
             else:
                 hits, num_hit = self.kv.get_computed_blocks(req)
-                if self._start_remote_load(req, hits, num_hit):
+                load = self._start_remote_load(req, hits, num_hit)
+                if load is not None:
                     skipped.append(req)
+                    blocked = blocked or load == "blocked"
                     continue
             num_new = req.num_tokens - num_hit
             if (num_new > budget and not self.config.enable_chunked_prefill) or \
@@ -127,25 +129,33 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
-    def _start_remote_load(self, req: Request, hits: list[int], num_hit: int) -> bool:
+    def _start_remote_load(self, req: Request, hits: list[int], num_hit: int) -> Optional[str]:
         """P/D consumer: allocate blocks for the prompt KV a connector can load and park the request in
-        WAITING_FOR_REMOTE_KV (no token budget, no seat) until the load ends. False: prefill locally."""
+        WAITING_FOR_REMOTE_KV (no token budget, no seat) until the load ends: "loading". "blocked": no blocks for
+        it yet, but the producer's lease lasts, so the request waits and asks again next step. None: prefill
+        locally."""
         if self.connector is None or req.kv_transfer_params is None or req.kv_load_tried:
-            return False
-        req.kv_load_tried = True
+            return None
         num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
         if num_external <= 0:
-            return False
-        if not self.kv.allocate_slots(req, num_external, hits):
-            # No room for the load: prefill locally. No blocks to fill tells the connector to let the producer
-            # release its lease now rather than at expiry (vLLM's update_state_after_alloc with none external).
+            req.kv_load_tried = True
+            return None
+        # The replay's slot comes with the load: a load for exactly k blocks whose replay then needed block k + 1
+        # could wait forever once waiting imports held every block (they take no seat and are never preempted).
+        if not self.kv.allocate_slots(req, num_external + 1, hits):
+            if self.connector.lease_time_left(req) > 0:
+                return "blocked"
+            # The lease ran out while blocks were short: prefill locally. No blocks to fill tells the connector
+            # to let the producer release it now (vLLM's update_state_after_alloc with none external).
+            req.kv_load_tried = True
             self.connector.update_state_after_alloc(req, [], num_hit)
-            return False
+            return None
+        req.kv_load_tried = True
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.connector.update_state_after_alloc(req, self.kv.blocks_of(req.request_id), num_hit)
-        return True
+        return "loading"
 
     def process_transfers(self, fin) -> list[Request]:
         """Apply finished transfers: release P's leases; on D, a loaded request becomes its one-token replay, a
@@ -230,6 +240,8 @@ class Scheduler:
         keep = False
         if self.connector is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             keep, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.blocks_of(request_id))
+        elif self.connector is not None and req.kv_transfer_params and not req.kv_load_tried:
+            self.connector.request_abandoned(req)  # e.g. aborted while short of blocks for its load
         if keep:
             self.leased[request_id] = req
         elif loading:  # a loader thread may still write these blocks: free them when it reports

@@ -1,9 +1,9 @@
 """The engine loop that runs apart from the HTTP event loop: in a background thread or in a child process.
 
 It owns the `LLMEngine` (built here, so start-up never blocks the server), takes commands from an inbox between
-steps (add, abort, abort_all, query, stop) and hands each step's outputs to a sink as one `StepBatch` of plain,
-picklable records. Only this loop ever touches the engine, so no lock is needed: an abort reaches the scheduler at
-the next step boundary and frees the request's blocks there.
+steps (add, abort, abort_all, query, release_remote, release_lease, stop) and hands each step's outputs to a sink
+as one `StepBatch` of plain, picklable records. Only this loop ever touches the engine, so no lock is needed: an
+abort reaches the scheduler at the next step boundary and frees the request's blocks there.
 """
 from __future__ import annotations
 
@@ -139,9 +139,12 @@ class EngineCore:
             except ValueError as e:  # what only the engine can check (kv_transfer_params): the client's fault
                 logger.warning("request refused: %s", e, extra={"request_id": rid})
                 batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e), rejected=True))
+                self._release_remote(rid, kv_params)
             except Exception as e:  # should it still fail, fail this request only
                 logger.exception("add_request failed", extra={"request_id": rid})
                 batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e)))
+                if rid not in eng.scheduler.requests:  # never admitted: no load of its own will tell P
+                    self._release_remote(rid, kv_params)
         elif op == "abort":
             out = eng.abort_request(cmd[1])
             if out is not None:
@@ -160,8 +163,28 @@ class EngineCore:
             except Exception as e:
                 result = e
             batch.replies.append((qid, result))
+        elif op == "release_remote":  # D: a P/D request the server refused before the engine saw it
+            self._release_remote(cmd[1], cmd[2])
+        elif op == "release_lease":  # P: the router's release of a lease no decode node took
+            _, qid, params = cmd
+            try:
+                result = self.engine.release_lease(params)
+            except Exception as e:
+                result = e
+            batch.replies.append((qid, result))
         elif op == "stop":
             self._stop = True
+
+    def _release_remote(self, rid: str, kv_params) -> None:
+        """D: P's lease for a refused request ends now, not at its expiry (LLMEngine.release_remote_kv checks the
+        router's proof and the peer first)."""
+        if kv_params is None or not hasattr(self.engine, "release_remote_kv"):
+            return
+        try:
+            if self.engine.release_remote_kv(kv_params, rid):
+                logger.info("told the prefill node to release the refused request's KV", extra={"request_id": rid})
+        except Exception:  # never the engine loop's end
+            logger.exception("releasing the prefill node's lease failed", extra={"request_id": rid})
 
     def _q_stats(self) -> dict:
         eng = self.engine

@@ -171,6 +171,8 @@ def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"{where}: must be an object with a string 'role'", where)
         content = m.get("content")
+        if content is None:  # OpenAI: only an assistant message with tool calls may omit it, and we serve no tools
+            raise bad_request(f"{where}.content: field required", f"{where}.content")
         if isinstance(content, list):
             parts = []
             for j, p in enumerate(content):
@@ -179,9 +181,9 @@ def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str]:
                                       "supported", f"{where}.content")
                 parts.append(p["text"])
             content = "".join(parts)
-        elif content is not None and not isinstance(content, str):
+        elif not isinstance(content, str):
             raise bad_request(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
-        conv.append({**m, "content": content or ""})
+        conv.append({**m, "content": content})
     kwargs = dict(req.chat_template_kwargs or {})
     try:
         text = info.tokenizer.apply_chat_template(

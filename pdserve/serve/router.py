@@ -10,7 +10,11 @@ Lifecycle of a request:
 3. step 2, to a D: the original request plus P's returned `kv_transfer_params` and the router's proof (an HMAC of
    the params with the KV token, which D checks); a P answer without params (nothing to hand over) sends the
    original request to D alone, which prefills it locally;
-4. D's response, streamed or not, goes back to the client unchanged.
+4. D's response, streamed or not, goes back to the client unchanged;
+5. params no D took end their lease on P at once: when no D is left, D cannot be reached, D answers anything but
+   200 (D also releases what it refuses itself; the two are idempotent), or the client goes away before D's
+   answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
+   `/v1/kv/release` (in the background; should that fail too, the lease ends at its expiry).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
 answers again.
 
@@ -75,6 +79,12 @@ class Pool:
         return live[i]
 
 
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (its body was read already, so only the disconnect is left to receive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
@@ -89,6 +99,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
         self.registry = CollectorRegistry()
         self.ttft = TtftSplit(self.registry)
+        self._releases: set[asyncio.Task] = set()
 
     async def health_loop(self) -> None:
         while True:
@@ -103,9 +114,10 @@ class Router:
                 node.healthy = ok
             await asyncio.sleep(self.health_interval)
 
-    async def _prefill(self, path: str, body: dict, headers: dict) -> tuple[Optional[dict], dict, Optional[Response]]:
-        """(P's kv_transfer_params or None: nothing to hand over, P's Server-Timing, an error response for the
-        client or None)."""
+    async def _prefill(self, path: str, body: dict,
+                       headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response]]:
+        """(P's kv_transfer_params or None: nothing to hand over, the P that answered, P's Server-Timing, an error
+        response for the client or None)."""
         p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
         p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
         tried: tuple = ()
@@ -122,15 +134,39 @@ class Router:
             if r.status_code >= 500:
                 continue
             if r.status_code != 200:  # the client's mistake: P's 4xx goes back as it is
-                return None, {}, Response(r.content, r.status_code, media_type="application/json")
+                return None, node, {}, Response(r.content, r.status_code, media_type="application/json")
             try:
                 params = r.json().get("kv_transfer_params")
             except (ValueError, AttributeError) as e:
                 logger.warning("[%s] prefill node %s answered unreadable JSON (%s); trying another",
                                headers["X-Request-Id"], node.url, e)
                 continue
-            return params, parse_server_timing(r.headers.get("server-timing")), None
-        return None, {}, None  # no P left: D prefills locally
+            return params, node, parse_server_timing(r.headers.get("server-timing")), None
+        return None, None, {}, None  # no P left: D prefills locally
+
+    def _release(self, p_node: Optional[Node], d_body: dict, rid: str, why: str) -> None:
+        """Step 5: end, in the background, P's lease on the signed params in `d_body` (if any) that no D took."""
+        params = d_body.get("kv_transfer_params")
+        if params and p_node is not None:
+            task = asyncio.ensure_future(self._post_release(p_node, params, rid, why))
+            self._releases.add(task)  # held until done (the loop keeps only weak references to tasks)
+            task.add_done_callback(self._releases.discard)
+
+    async def _post_release(self, p_node: Node, params: dict, rid: str, why: str) -> None:
+        try:
+            r = await self.client.post(p_node.url + "/v1/kv/release", json={"kv_transfer_params": params},
+                                       headers={"X-Request-Id": rid}, timeout=5.0)
+        except httpx.HTTPError as e:
+            logger.warning("[%s] %s; prefill node %s did not release the KV lease (%s): it ends at its expiry",
+                           rid, why, p_node.url, e)
+            return
+        if r.status_code == 200:
+            logger.info("[%s] %s: released its KV lease on %s", rid, why, p_node.url)
+        elif r.status_code == 404:  # D's own release (or the lease's end) came first
+            logger.debug("[%s] %s: no KV lease left to release on %s", rid, why, p_node.url)
+        else:
+            logger.warning("[%s] %s; prefill node %s refused to release the KV lease: %s %s", rid, why, p_node.url,
+                           r.status_code, r.text[:200])
 
     async def handle(self, request: Request, path: str) -> Response:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -149,24 +185,52 @@ class Router:
         t0 = time.monotonic()
         prompt = body.get("prompt")
         one_token = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int)
-        params, p_timing, err = (None, {}, None) if one_token else await self._prefill(path, body, headers)
-        if err is not None:
-            return err
-        t_d = time.monotonic()
-        p_round_trip = None if one_token else t_d - t0
-        d_body = dict(body)
-        if params:
-            d_body["kv_transfer_params"] = sign_params(params, self.kv_token)
-        node = self.decode.pick()
-        if node is None:
-            return error(503, "no healthy decode node", "service_unavailable")
-        node.in_flight += 1
-        req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
+        gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
+        sending = None
         try:
-            upstream = await self.client.send(req, stream=True)
+            params, p_node, p_timing, err = (None, None, {}, None) if one_token else \
+                await self._prefill(path, body, headers)
+            if err is not None:
+                return err
+            t_d = time.monotonic()
+            p_round_trip = None if one_token else t_d - t0
+            d_body = dict(body)
+            if params:
+                d_body["kv_transfer_params"] = sign_params(params, self.kv_token)
+            if gone.done():  # the client left while P prefilled: no D will take these params
+                self._release(p_node, d_body, rid, "the client went away")
+                return Response(status_code=499)
+            node = self.decode.pick()
+            if node is None:
+                self._release(p_node, d_body, rid, "no healthy decode node")
+                return error(503, "no healthy decode node", "service_unavailable")
+            node.in_flight += 1
+            req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
+            sending = asyncio.ensure_future(self.client.send(req, stream=True))
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the router is shutting down
+            if sending is not None:
+                sending.cancel()
+                node.in_flight -= 1
+            raise
+        finally:
+            gone.cancel()
+        if not sending.done():  # the client left before D answered: drop D's request (D aborts it)
+            sending.cancel()
+            late = (await asyncio.gather(sending, return_exceptions=True))[0]
+            if isinstance(late, httpx.Response):
+                await late.aclose()
+            node.in_flight -= 1
+            self._release(p_node, d_body, rid, "the client went away before the decode node answered")
+            return Response(status_code=499)
+        try:
+            upstream = sending.result()
         except httpx.HTTPError as e:
             node.in_flight -= 1
+            self._release(p_node, d_body, rid, f"decode node {node.url} failed: {e}")
             return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
+        if upstream.status_code != 200:
+            self._release(p_node, d_body, rid, f"decode node {node.url} answered {upstream.status_code}")
         ok = upstream.status_code == 200
         d_timing = parse_server_timing(upstream.headers.get("server-timing"))
         if ok and not body.get("stream") and "ttft" in d_timing:

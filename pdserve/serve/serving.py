@@ -2,6 +2,8 @@
 
 A non-streaming request watches for the client going away while it waits; a streaming one is cancelled by the
 ASGI server when the client disconnects. Either way the engine gets an abort and frees the request's blocks.
+A P/D request refused before the engine takes it (a 400 on its fields, a 503) still has the engine tell P to
+release its KV lease, if the router's proof on its params holds.
 """
 from __future__ import annotations
 
@@ -59,11 +61,15 @@ class OpenAIServing:
         self.info = info
 
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
-        greq = to_generation_request(kind, data, self.info)
-        if greq.unknown_fields:
-            logger.warning("ignoring unknown field(s): %s", ", ".join(greq.unknown_fields))
-        echo = self._echo_prefix(greq)
-        st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
+        try:
+            greq = to_generation_request(kind, data, self.info)
+            if greq.unknown_fields:
+                logger.warning("ignoring unknown field(s): %s", ", ".join(greq.unknown_fields))
+            echo = self._echo_prefix(greq)
+            st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
+        except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now
+            self.engine.release_remote_kv(request_id, data.get("kv_transfer_params"))
+            raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         builder = ResponseBuilder(greq, prefix + st.request_id, int(time.time()))
         logger.info("%s request: %d prompt tokens, max_tokens=%s, stream=%s", kind, len(greq.prompt_token_ids),

@@ -55,6 +55,14 @@ class KVConnector(ABC):
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         """(keep the blocks for a remote reader, kv_transfer_params for the response)."""
 
+    def lease_time_left(self, req: Request) -> float:
+        """Consumer: seconds the producer still holds `req`'s KV. While > 0, a request short of blocks for its load
+        waits and asks again; at 0 it prefills locally."""
+        return 0.0
+
+    def request_abandoned(self, req: Request) -> None:
+        """Consumer: `req` finished before its load started; let the producer release what it holds for it."""
+
     # ---- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list) -> None:
         self.kv_caches = kv_caches

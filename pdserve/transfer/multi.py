@@ -31,6 +31,15 @@ class MultiConnector(KVConnector):
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
         self._source.pop(req.request_id).update_state_after_alloc(req, block_ids, num_local_computed)
 
+    def lease_time_left(self, req: Request) -> float:
+        c = self._source.get(req.request_id)
+        return c.lease_time_left(req) if c is not None else 0.0
+
+    def request_abandoned(self, req: Request) -> None:
+        c = self._source.pop(req.request_id, None)
+        for child in [c] if c is not None else self.children:
+            child.request_abandoned(req)
+
     def build_connector_meta(self) -> ConnectorMeta:
         loads, self._load_owner = [], {}
         for c in self.children:

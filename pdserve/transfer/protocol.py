@@ -172,13 +172,16 @@ class Session:
 
     def recv(self, into: Optional[list] = None) -> tuple[dict, list]:
         """(header, payload views). With `into` (writable byte views), a payload must fill them exactly or be
-        empty, and is received straight into them; without, it lands in a fresh buffer. A frame that fails
-        authentication raises, possibly after writing into `into`: its bytes must not be used then."""
+        empty, and is received straight into them; without, it lands in a fresh buffer of at most GROUP bytes. A
+        frame that fails authentication raises, possibly after writing into `into`: its bytes must not be used
+        then."""
         n, hlen = struct.unpack("!QI", _recv_exact(self.sock, 12))
         if n > MAX_FRAME or hlen > min(n - 4 - TAG, 1 << 16):
             raise ProtocolError(f"malformed frame (length {n}, header {hlen})")
         hbytes, size = _recv_exact(self.sock, hlen), n - 4 - hlen - TAG
         if into is None:
+            if size > GROUP:  # the length is not authenticated before the tag: it must not size a big allocation
+                raise ProtocolError(f"payload of {size} bytes, over the {GROUP} allowed without receive buffers")
             views = [memoryview(bytearray(size))]
         else:
             views = _byte_views(into) if size else []

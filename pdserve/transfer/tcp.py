@@ -7,8 +7,9 @@ Producer (P) lifecycle of a request:
 3. the KV server answers authenticated reads of (transfer id, block index, count) from that lease only, pinning it
    while it reads and extending it (a read is D's renewal); an unknown, released or expired lease answers `expired`;
    the handshake has `kv_transfer_timeout` and each read `kv_lease_seconds`, then the connection is shut;
-4. D's `done`, or the lease running out with no read in flight, releases it: `get_finished` hands the request id
-   to the scheduler, which frees the blocks.
+4. D's `done`, a `release_lease` (the router's `POST /v1/kv/release` on P, with the signed params, when no D took
+   the request), or the lease running out with no read in flight, releases it: `get_finished` hands the request
+   id to the scheduler, which frees the blocks.
 
 Consumer (D) lifecycle of a request:
 1. `get_num_new_matched_tokens` checks the params (peer in `kv_peers`, prompt length, prompt hash against D's own
@@ -19,7 +20,9 @@ Consumer (D) lifecycle of a request:
    D's own blocks, then `done`; the whole pull, counted from when it was queued, has `kv_transfer_timeout`;
 4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
    scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
-   (params rejected, no blocks for the load, all cached here) still sends P a bare `done` for its lease.
+   (params rejected, no blocks for the load, all cached here) still sends P a bare `done` for its lease, and so
+   does a request D refuses or drops before asking for its load (a 400 or 503 answer, an abort while queued):
+   `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`.
 """
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ class TcpConnector(KVConnector):
         self.leases: dict[str, Lease] = {}
         self._queued: list[LoadJob] = []
         self._inflight: set[str] = set()
+        self._renewing: set[str] = set()  # D: requests whose lease renewal is in flight
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
@@ -182,6 +186,9 @@ class TcpConnector(KVConnector):
                                            tid)
                     with self._lock:
                         self.stats.bytes_sent += len(ids) * self.bytes_per_block
+                elif op == "renew":  # D waits for blocks before it can read: the lease is extended, not pinned
+                    left = self._renew(tid)
+                    session.send({"status": "ok", "lease_seconds": left} if left else {"status": "expired"})
                 elif op == "done":
                     with self._lock:
                         if tid in self.leases:
@@ -214,6 +221,15 @@ class TcpConnector(KVConnector):
             lease.pins += 1
             lease.expiry = time.monotonic() + self.config.kv_lease_seconds
             return lease
+
+    def _renew(self, tid: str) -> float:
+        """Seconds left in the extended lease; 0 for an unknown, released or expired one."""
+        with self._lock:
+            lease = self.leases.get(tid)
+            if lease is None or lease.done or time.monotonic() > lease.expiry:
+                return 0.0
+            lease.expiry = time.monotonic() + self.config.kv_lease_seconds
+            return self.config.kv_lease_seconds
 
     def _unpin(self, tid: str) -> None:
         with self._lock:
@@ -261,16 +277,45 @@ class TcpConnector(KVConnector):
                       "remote_engine_id": self.config.engine_id, "remote_request_id": req.request_id,
                       "remote_host": self.config.kv_advertise_host or self.config.kv_host, "remote_port": self.port,
                       "remote_block_ids": list(block_ids[:cdiv(n - 1, self.block_size)]),
-                      "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids)}
+                      "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
+                      "lease_seconds": self.config.kv_lease_seconds}
 
     def leased_blocks(self) -> int:
         with self._lock:
             return sum(len(lease.block_ids) for lease in self.leases.values())
 
+    def release_lease(self, tid: str, request_id: str) -> bool:
+        """P: end the open lease `tid` (of request `request_id`) now, as D's `done` would. The router's call, through
+        P's `POST /v1/kv/release`, for params no decode node took. False when no such lease is open: never made
+        here, made for another request, already released, or expired (so a repeat is harmless)."""
+        with self._lock:
+            lease = self.leases.get(tid)
+            if lease is None or lease.done or lease.request_id != request_id or time.monotonic() > lease.expiry:
+                return False
+            lease.done = True  # a read in flight keeps its pin; get_finished frees the blocks after it
+            return True
+
     # ---- consumer ------------------------------------------------------------------------------------------
     def peer_allowed(self, host: str, port: int) -> bool:
         peers = self.config.kv_peers
         return f"{host}:{port}" in peers if peers else host in LOOPBACK
+
+    def release_remote(self, params: dict, request_id: str) -> bool:
+        """D: a bare `done` now for remote-prefill `params` this side will never load (the request was refused with a
+        400 or 503, or aborted before its load was asked for), so P's lease ends at once rather than at expiry. The
+        caller has checked the router's proof; only a peer in `kv_peers` is dialed. True if the `done` is on its way."""
+        if self.config.kv_role == "kv_producer" or not params.get("transfer_id"):
+            return False
+        try:
+            host, port = str(params["remote_host"]), int(params["remote_port"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not self.peer_allowed(host, port):
+            logger.warning("request %s: not releasing the producer's lease: KV peer %s:%s is not in kv_peers",
+                           request_id, host, port)
+            return False
+        self.start_load_kv(ConnectorMeta([LoadJob(request_id, dict(params), 0, [])]))
+        return True
 
     def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
         p = req.kv_transfer_params or {}
@@ -313,23 +358,34 @@ class TcpConnector(KVConnector):
                 self._inflight.add(job.request_id)
             self._pool.submit(self._pull, job, time.monotonic())
 
-    def _pull(self, job: LoadJob, queued: float) -> None:
-        """A load, or with no `dst_blocks` a bare `done` that only releases P's lease. Either has
-        kv_transfer_timeout from `queued` in all (time spent waiting for a worker counts)."""
-        p, t0, bare = job.params, time.monotonic(), not job.dst_blocks
-        left = queued + self.config.kv_transfer_timeout - t0
-        sock = deadline = None
+    def _connect(self, p: dict, until: float):
+        """An authenticated session with the producer `p` names, and the Deadline that shuts it at `until`."""
+        left = until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("kv_transfer_timeout passed while queued behind other loads")
+        sock = socket.create_connection((p["remote_host"], int(p["remote_port"])), timeout=left)
+        deadline = Deadline(until - time.monotonic(), sock)
         try:
-            if left <= 0:
-                raise TimeoutError("kv_transfer_timeout passed while queued behind other loads")
-            sock = socket.create_connection((p["remote_host"], int(p["remote_port"])), timeout=left)
-            deadline = Deadline(queued + self.config.kv_transfer_timeout - time.monotonic(), sock)
             tune(sock, self.config.kv_transfer_timeout)
             if self._tls_client is not None:
                 sock = deadline.sock = self._tls_client.wrap_socket(sock, server_hostname=p["remote_host"])
             if deadline.hit:  # it fired on the plain socket the wrapper had just detached
                 raise TimeoutError("kv_transfer_timeout")
-            session = client_handshake(sock, self.token, self.compat)
+            return client_handshake(sock, self.token, self.compat), deadline
+        except BaseException as e:
+            deadline.cancel()
+            sock.close()
+            if deadline.hit and not isinstance(e, TimeoutError):
+                raise TimeoutError("kv_transfer_timeout") from e
+            raise
+
+    def _pull(self, job: LoadJob, queued: float) -> None:
+        """A load, or with no `dst_blocks` a bare `done` that only releases P's lease. Either has
+        kv_transfer_timeout from `queued` in all (time spent waiting for a worker counts)."""
+        p, t0, bare = job.params, time.monotonic(), not job.dst_blocks
+        deadline = None
+        try:
+            session, deadline = self._connect(p, queued + self.config.kv_transfer_timeout)
             # All reads go out first, so P sends the next batch while this side receives the previous one.
             batches = [job.dst_blocks[i:i + BLOCKS_PER_READ] for i in range(0, len(job.dst_blocks),
                                                                            BLOCKS_PER_READ)]
@@ -366,11 +422,50 @@ class TcpConnector(KVConnector):
         finally:
             if deadline is not None:
                 deadline.cancel()
-            if sock is not None:
-                sock.close()  # the TLS wrapper when there is one: it owns the descriptor (the plain one is detached)
+                deadline.sock.close()  # the TLS wrapper when there is one: it owns the descriptor
             with self._lock:
                 self.stats.seconds_receiving += 0.0 if bare else time.monotonic() - t0
                 self._inflight.discard(job.request_id)
+
+    def lease_time_left(self, req: Request) -> float:
+        """Seconds P still holds `req`'s KV, on this host's clock. P states its lease as seconds left (clocks are
+        never compared across hosts), counted here from the request's arrival less a tenth for the hop from P. Past
+        half of it a background `renew` extends it; a lease P no longer has, or a P that cannot be reached, ends
+        the wait (the request then prefills locally)."""
+        seconds = float((req.kv_transfer_params or {}).get("lease_seconds", self.config.kv_lease_seconds))
+        now = time.monotonic()
+        if req.kv_lease_end is None:
+            req.kv_lease_end = req.arrival_time + 0.9 * seconds
+        left = req.kv_lease_end - now
+        with self._lock:
+            renew = 0 < left < seconds / 2 and req.request_id not in self._renewing
+            if renew:
+                self._renewing.add(req.request_id)
+        if renew:
+            self._pool.submit(self._renew_lease, req, seconds)
+        return left
+
+    def _renew_lease(self, req: Request, seconds: float) -> None:
+        p, sent, deadline = req.kv_transfer_params, time.monotonic(), None
+        try:
+            session, deadline = self._connect(p, sent + self.config.kv_transfer_timeout)
+            session.send({"op": "renew", "transfer_id": p["transfer_id"]})
+            header, _ = session.recv(into=[])
+            left = float(header.get("lease_seconds", 0)) if header.get("status") == "ok" else 0.0
+            req.kv_lease_end = sent + 0.9 * left
+        except Exception as e:
+            logger.info("request %s: could not renew the producer's lease: %s", req.request_id, e)
+            req.kv_lease_end = sent
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+                deadline.sock.close()
+            with self._lock:
+                self._renewing.discard(req.request_id)
+
+    def request_abandoned(self, req: Request) -> None:
+        if (req.kv_transfer_params or {}).get("do_remote_prefill"):  # verified when the request was added
+            self.release_remote(req.kv_transfer_params, req.request_id)
 
     def _scatter(self, dst: list[int], payload: memoryview) -> None:
         c0 = self.kv_caches[0]
@@ -379,6 +474,10 @@ class TcpConnector(KVConnector):
         idx = torch.tensor(dst, dtype=torch.long, device=c0.device)
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(1, idx, data[layer])
+        if c0.device.type == "cuda":  # on this thread's stream: the load is reported done only once it has run
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
 
     # ---- both ----------------------------------------------------------------------------------------------
     def get_finished(self) -> FinishedTransfers:

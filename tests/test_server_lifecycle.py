@@ -26,7 +26,7 @@ def _stream_lines(client: httpx.Client, body: dict, first_event: threading.Event
 @pytest.fixture(scope="module")
 def server(qwen3_tiny):
     srv = ServerProcess(qwen3_tiny, "--enable-debug-routes", "--max-num-seqs", "1", "--max-waiting", "1",
-                        "--shutdown-timeout", "2", "--max-model-len", "1024", "--num-gpu-blocks-override", "256")
+                        "--shutdown-timeout", "1", "--max-model-len", "2048", "--num-gpu-blocks-override", "256")
     try:
         srv.wait_healthy()
         yield srv
@@ -35,7 +35,7 @@ def server(qwen3_tiny):
 
 
 def test_max_waiting_then_sigterm(server):
-    long = {"prompt": "while True:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    long = {"prompt": "while True:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=60) as c:
         a_first, a_lines = threading.Event(), []
         ta = threading.Thread(target=_stream_lines, args=(c, long, a_first, a_lines), daemon=True)

@@ -79,7 +79,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     params = dict(model.named_parameters())
     # HF name -> (our parameter, row offset within the fused weight)
     fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+             "q_norm": ("qk_norm", 0), "k_norm": ("qk_norm", 1)}  # a [head_dim] norm weight fills its heads' rows
     loaded = set()
     for key, tensor in iter_safetensors(model_dir):
         name = key.removeprefix("model.")
@@ -112,10 +113,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
-_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2, "qk_norm": 2}
 
 
 def _fused_sizes(d: ModelDims, target: str) -> list[int]:
     if target == "qkv_proj":
         return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim]
+    if target == "qk_norm":
+        return [d.num_heads, d.num_kv_heads]
     return [d.intermediate_size, d.intermediate_size]

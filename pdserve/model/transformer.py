@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding
-from pdserve.worker.attention import AttentionMetadata, attention
+from pdserve.worker.attention import AttentionMetadata, attention, attention_masks
 
 
 @dataclass(frozen=True)
@@ -52,23 +52,22 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         self.qkv_proj = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, d.attention_bias, dtype)
         self.o_proj = Linear(self.q_size, d.hidden_size, d.attention_bias, dtype)
-        self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps, dtype) if spec.qk_norm else None
+        # Qwen3's q_norm and k_norm as one norm over the q and k heads (rows: q_norm's weight, then k_norm's).
+        self.qk_norm = RMSNorm((d.num_heads + d.num_kv_heads, d.head_dim), d.rms_norm_eps, dtype) \
+            if spec.qk_norm else None
         self.gate_up_proj = Linear(d.hidden_size, 2 * d.intermediate_size, d.mlp_bias, dtype)
         self.down_proj = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, dtype)
         self.scale = d.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata, masks):
         d, t = self.d, x.shape[0]
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, d.num_heads, d.head_dim)
-        k = k.reshape(t, d.num_kv_heads, d.head_dim)
-        v = v.reshape(t, d.num_kv_heads, d.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        x = x + self.o_proj(attention(q, k, v, kv_cache, meta, self.scale))
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(t, d.num_heads + 2 * d.num_kv_heads, d.head_dim)
+        qk, v = qkv[:, :d.num_heads + d.num_kv_heads], qkv[:, d.num_heads + d.num_kv_heads:]
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = rope(positions, qk)
+        x = x + self.o_proj(attention(qk[:, :d.num_heads], qk[:, d.num_heads:], v, kv_cache, meta, masks,
+                                      self.scale))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -87,8 +86,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        d = self.dims
+        masks = attention_masks(meta, self.kv_caches[0].shape[2], d.num_heads // d.num_kv_heads, x.dtype)
         for layer, cache in zip(self.layers, self.kv_caches):
-            x = layer(x, positions, self.rope, cache, meta)
+            x = layer(x, positions, self.rope, cache, meta, masks)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

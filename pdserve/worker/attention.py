@@ -33,8 +33,21 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     kv_cache[1].view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v)
 
 
+def attention_masks(meta: AttentionMetadata, block_size: int, q_per_kv: int, dtype: torch.dtype) -> list:
+    """Per group, the additive mask [rows, 1, q_per_kv * query_len, ctx] that every layer shares: built once per
+    forward, not once per layer (the query heads of a KV head are folded into the query axis, see below)."""
+    out = []
+    for g in meta.groups:
+        rows, width = g.block_table.shape
+        qlen, ctx = g.positions.shape[1], width * block_size
+        visible = torch.arange(ctx, device=g.positions.device)[None, None, :] <= g.positions[:, :, None]
+        hidden = ~visible[:, None].expand(rows, q_per_kv, qlen, ctx).reshape(rows, 1, q_per_kv * qlen, ctx)
+        out.append(torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf")))
+    return out
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [rows * query_len, q_heads, dim] -> [rows * query_len, q_heads * dim]."""
     rows, width = block_table.shape
     qlen = positions.shape[1]
@@ -42,26 +55,23 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     q_heads = q.shape[1]
     group = q_heads // kv_heads
     ctx = width * block_size
-    k = kv_cache[0][block_table].view(rows, ctx, kv_heads, dim).transpose(1, 2)
-    v = kv_cache[1][block_table].view(rows, ctx, kv_heads, dim).transpose(1, 2)
+    k, v = kv_cache[:, block_table].view(2, rows, ctx, kv_heads, dim).transpose(2, 3).unbind(0)
     # Query heads sharing a KV head are folded into the query axis, so K/V are never repeated.
     qh = q.view(rows, qlen, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group * qlen, dim)
-    visible = torch.arange(ctx, device=q.device)[None, None, :] <= positions[:, :, None]
-    mask = visible[:, None, None].expand(rows, 1, group, qlen, ctx).reshape(rows, 1, group * qlen, ctx)
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
     return out.view(rows, kv_heads, group, qlen, dim).permute(0, 3, 1, 2, 4).reshape(rows * qlen, q_heads * dim)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-              scale: float) -> torch.Tensor:
+              masks: list, scale: float) -> torch.Tensor:
     write_kv(kv_cache, meta.slot_mapping, k, v)
     first = meta.groups[0].tokens
     if len(meta.groups) == 1 and isinstance(first, slice) and first.start == 0 and first.stop == q.shape[0]:
         g = meta.groups[0]
-        return paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, scale)
+        return paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, masks[0], scale)
     # Zeros, not empty: padded tokens outside every group must stay finite, since their K/V land in the null
     # block and a masked NaN still poisons softmax(QK)V.
     out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    for g in meta.groups:
-        out[g.tokens] = paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, scale)
+    for g, mask in zip(meta.groups, masks):
+        out[g.tokens] = paged_attention(q[g.tokens], kv_cache, g.block_table, g.positions, mask, scale)
     return out

@@ -1,0 +1,136 @@
+"""Host work per decode step, by phase, on the tiny model: what the engine spends around the forward pass.
+
+    .venv/bin/python benchmarks/step_overhead.py                  # writes benchmarks/results/step_overhead.json
+    .venv/bin/python benchmarks/step_overhead.py --rows 32 --steps 100
+
+For each batch size (1, 32, 256 rows by default) and workload, R requests with distinct 64-token prompts are
+prefilled, then `--steps` decode steps are timed phase by phase (wrappers around the engine's own functions):
+  schedule  Scheduler.schedule (plus the connector and metrics bookkeeping of LLMEngine.step before the model)
+  prepare   InputBuffers.prepare (filling the input buffers)
+  forward   the model's forward (on CPU this is compute; for the tiny model much of it is op dispatch)
+  logits    the LM head (compute_logits)
+  sample    the sampler (penalties, filters, noise, logprobs, the read-back)
+  outputs   the rest of LLMEngine.step: update_from_output, stop checks, detokenizer, RequestOutput objects
+  server    what the server's engine loop adds per step (the picklable records sent to the HTTP side)
+Workloads: `greedy` (all rows temperature 0) and `mix` (half greedy, half temperature 0.8 + top-p 0.9 + repetition
+penalty 1.1; the random half seeded; 4 rows with logprobs=5). "host" = everything but forward and logits. Medians
+over the timed steps. Run it on a quiet machine: two cores, and anything else running distorts every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("schedule", "prepare", "forward", "logits", "sample", "outputs", "server")
+
+
+def params_for(workload: str, i: int, n: int):
+    from pdserve import SamplingParams
+    common = dict(max_tokens=400, ignore_eos=True)
+    if workload == "greedy" or i < n // 2:
+        return SamplingParams(temperature=0, logprobs=5 if workload == "mix" and i < 2 else None, **common)
+    return SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1000 + i,
+                          logprobs=5 if i >= n - 2 else None, **common)
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase within a step; `wrap` times a bound callable as one phase."""
+
+    def __init__(self):
+        self.cur = defaultdict(float)
+
+    def wrap(self, obj, name: str, phase: str):
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.cur[phase] += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+
+def measure(model: str, rows: int, workload: str, steps: int) -> dict:
+    from pdserve import LLM
+    from pdserve.serve.engine_core import _record
+    llm = LLM(model, max_model_len=512, max_num_seqs=max(rows, 1), max_num_batched_tokens=max(2048, rows),
+              num_gpu_blocks_override=rows * 8 + 40)
+    eng, runner = llm.engine, llm.engine.runner
+    for i in range(rows):
+        eng.add_request([3 + (i * 131 + j * 7) % 8000 for j in range(64)], params_for(workload, i, rows))
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # prefill (and the first tokens)
+    for _ in range(3):
+        eng.step()
+    timer = PhaseTimer()
+    timer.wrap(eng.scheduler, "schedule", "schedule")
+    timer.wrap(runner.buffers, "prepare", "prepare")
+    timer.wrap(runner.model, "compute_logits", "logits")
+    sampler, model_call = runner.sampler, runner.model.forward
+    runner.sampler = lambda *a, **kw: _timed(timer, "sample", sampler, *a, **kw)
+    runner.model.forward = lambda *a, **kw: _timed(timer, "forward", model_call, *a, **kw)
+    per_step = defaultdict(list)
+    for _ in range(steps):
+        timer.cur.clear()
+        t = time.perf_counter()
+        outs = eng.step()
+        total = time.perf_counter() - t
+        t = time.perf_counter()
+        records = [_record(o) for o in outs]
+        timer.cur["server"] = time.perf_counter() - t
+        assert len(records) == rows, f"{len(records)} outputs for {rows} rows"
+        timer.cur["outputs"] = total - sum(timer.cur[p] for p in PHASES if p not in ("outputs", "server"))
+        for p in PHASES:
+            per_step[p].append(timer.cur[p] * 1e3)
+        per_step["host"].append(sum(timer.cur[p] for p in PHASES if p not in ("forward", "logits")) * 1e3)
+        per_step["step"].append((total + timer.cur["server"]) * 1e3)
+    assert eng.graph_stats()["full_steps"] > 0
+    return {k: statistics.median(v) for k, v in per_step.items()}
+
+
+def _timed(timer, phase, fn, *a, **kw):
+    t = time.perf_counter()
+    try:
+        return fn(*a, **kw)
+    finally:
+        timer.cur[phase] += time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: the tiny Qwen3 `make demo` builds)")
+    ap.add_argument("--rows", default="1,32,256", help="comma-separated batch sizes (rows per decode step)")
+    ap.add_argument("--workloads", default="greedy,mix", help="comma-separated: greedy, mix")
+    ap.add_argument("--steps", type=int, default=60, help="timed decode steps per case (median reported)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_overhead.json"), help="JSON result path")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    from pdserve.model.make_model import ensure_model
+    model = args.model or str(ensure_model("qwen3", "tiny", 0))
+    import torch
+    results = []
+    print(f"{'rows':>5} {'workload':>8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'host':>7} {'step':>7}  (ms)")
+    for rows in map(int, args.rows.split(",")):
+        for wl in args.workloads.split(","):
+            r = measure(model, rows, wl, args.steps)
+            results.append({"rows": rows, "workload": wl, **r})
+            print(f"{rows:>5} {wl:>8} " + " ".join(f"{r[p]:9.3f}" for p in PHASES) + f" {r['host']:7.3f} "
+                  f"{r['step']:7.3f}", flush=True)
+    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
+           "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The batched sampler against a row-by-row reference (the straightforward form of each rule)."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pdserve.model.sampler import Sampler, _logprobs, filtered_probs
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
+
+V = 97
+
+
+def ref_penalties(logits, r):
+    sp, x = r.sampling_params, logits.clone()
+    if r.num_output_tokens < sp.min_tokens:
+        banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
+        x[banned] = float("-inf")
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.all_token_ids)))
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+    if (sp.presence_penalty or sp.frequency_penalty) and r.output_token_ids:
+        ids, counts = torch.tensor(r.output_token_ids).unique(return_counts=True)
+        x[ids] -= sp.frequency_penalty * counts.to(x.dtype) + sp.presence_penalty
+    return x
+
+
+def ref_probs(logits, sp):
+    x = logits / sp.temperature
+    if 0 < sp.top_k < V:
+        x = x.masked_fill(x < x.sort(descending=True).values[sp.top_k - 1], float("-inf"))
+    if sp.top_p < 1.0:
+        srt, order = x.sort(descending=True)
+        p = srt.softmax(-1)
+        drop = torch.zeros(V, dtype=torch.bool).scatter(0, order, (p.cumsum(-1) - p) >= sp.top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    probs = x.softmax(-1)
+    if sp.min_p > 0:
+        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+    return probs
+
+
+def random_request(rng, i):
+    sp = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 1, 5, 40]),
+                        top_p=rng.choice([1.0, 0.9, 0.3]), min_p=rng.choice([0.0, 0.1]),
+                        repetition_penalty=rng.choice([1.0, 1.1, 0.8]), presence_penalty=rng.choice([0.0, 0.5]),
+                        frequency_penalty=rng.choice([0.0, -0.3]), min_tokens=rng.choice([0, 3]),
+                        stop_token_ids=rng.choice([[], [5, 6]]), seed=rng.choice([None, 7 + i]), max_tokens=50,
+                        logprobs=rng.choice([None, 0, 3]))
+    return Request(f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 20))], sp, frozenset({1}))
+
+
+def test_penalties_and_filters_equal_the_reference_over_steps():
+    rng, sampler = random.Random(0), Sampler(torch.device("cpu"), 0)
+    reqs = [random_request(rng, i) for i in range(24)]
+    for _ in range(6):  # counts are kept across steps: each step only adds what was appended
+        logits = torch.randn(len(reqs), V, dtype=torch.float64) * 3
+        got = sampler._apply_penalties(logits.clone(), reqs, list(range(len(reqs))))
+        want = torch.stack([ref_penalties(logits[i], r) for i, r in enumerate(reqs)])
+        assert torch.allclose(got, want)
+        rand = [r for r in reqs if r.sampling_params.temperature > 0]
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.temperature > 0]
+        probs = filtered_probs(got[rows].clone(), rand)
+        assert torch.allclose(probs, torch.stack([ref_probs(got[i], r.sampling_params) for i, r in zip(rows, rand)]))
+        for r in reqs:
+            r.append_output_token(rng.randrange(V))
+
+
+def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_raw():
+    rng, sampler = random.Random(1), Sampler(torch.device("cpu"), 0)
+    reqs = [random_request(rng, i) for i in range(16)]
+    logits = torch.randn(len(reqs), V) * 3
+    tokens, lps = sampler(logits, reqs)
+    for i, r in enumerate(reqs):
+        sp = r.sampling_params
+        if sp.temperature == 0:
+            assert tokens[i] == int(ref_penalties(logits[i], r).argmax())
+        if sp.logprobs is None:
+            assert lps[i] is None
+            continue
+        lp = logits[i].log_softmax(-1)
+        assert lps[i][tokens[i]].rank == int((lp > lp[tokens[i]]).sum()) + 1
+        assert abs(lps[i][tokens[i]].logprob - float(lp[tokens[i]])) < 1e-6
+        top = lp.topk(sp.logprobs).indices.tolist() if sp.logprobs else []
+        assert set(lps[i]) == set(top) | {tokens[i]}
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    rng, cpu = random.Random(2), torch.device("cpu")
+    others = [random_request(rng, i) for i in range(12)]
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
+    alone_s, together_s = Sampler(cpu, 0), Sampler(cpu, 9)
+    a, b = Request("a", [1, 2, 3], sp), Request("b", [1, 2, 3], sp)
+    alone, together = [], []
+    for _ in range(10):
+        logits = torch.randn(13, V)
+        alone.append(alone_s(logits[12:], [a])[0][0])
+        together.append(together_s(logits, others + [b])[0][-1])
+    assert alone == together
+
+
+def test_several_positions_per_row():
+    """Rows that sample several positions (speculative decoding's 1 + K): each position follows its row's rules."""
+    rng, sampler = random.Random(3), Sampler(torch.device("cpu"), 0)
+    reqs = [Request("g", [3, 4], SamplingParams(temperature=0, max_tokens=5, logprobs=2)),
+            Request("s", [3, 4], SamplingParams(temperature=0.8, top_k=3, max_tokens=5))]
+    logits = torch.randn(5, V)
+    tokens, lps = sampler(logits, reqs, row_of=[0, 0, 0, 1, 1])
+    assert tokens[:3] == logits[:3].argmax(-1).tolist()
+    assert all(t in logits[i].topk(3).indices.tolist() for i, t in zip((3, 4), tokens[3:]))
+    assert [lp is not None for lp in lps] == [True, True, True, False, False]
+    assert _logprobs(logits[:1], tokens[:1], [2])[0].keys() == lps[0].keys()

@@ -111,6 +111,11 @@ class IncrementalDetokenizer:
         decoded), truncated at a stop string."""
         return self._text + self._pending_text()
 
+    @property
+    def released_text(self) -> str:
+        """All the text get_delta has handed out."""
+        return self._text[:self._released]
+
     def get_delta(self, finished: bool) -> str:
         """Text released since the last call. Until finished (or stopped) holds back an
         incomplete trailing char and the last max_stop_len-1 chars that could still start

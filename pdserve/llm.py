@@ -1,12 +1,13 @@
 """Offline batch inference: `LLM(model_dir, **engine_args).generate(prompts, params)`, as vLLM's `LLM`."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence, Union
 
 from pdserve.config import EngineConfig
 from pdserve.core.engine import LLMEngine
 from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = Union[str, list[int], dict]
 
@@ -33,6 +34,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        # One output per request, at its end: no per-step copies of what it generated so far (vLLM's LLM does too).
+        params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 

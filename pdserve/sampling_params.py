@@ -1,6 +1,7 @@
 """vLLM-compatible sampling parameters (pure Python, no torch)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
@@ -30,6 +31,14 @@ def _int(name: str, x: Any, allow_none: bool = False) -> Optional[int]:
     return x
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries, as vLLM: everything so far, only what this step added (streams:
+    per-step work proportional to the new tokens), or one output when it finishes (offline batches)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -50,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -107,6 +117,9 @@ class SamplingParams:
         self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
         # Like vLLM: under greedy the truncation knobs are meaningless, so neutralise them
         # and the sampler never has to special-case them.

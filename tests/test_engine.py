@@ -180,3 +180,29 @@ def test_abort_frees_blocks(llm):
     assert final["ab0"].outputs[0].finish_reason == "length"
     assert e.scheduler.requests == {} and not any(s == RequestStatus.RUNNING for s in [])
     _assert_clean(e)
+
+
+def test_output_kinds(llm):
+    """DELTA outputs carry only each step's text, tokens and logprobs; they add up to the CUMULATIVE ones. FINAL_ONLY
+    gives one output, at the end, equal to the last CUMULATIVE one."""
+    from pdserve.sampling_params import RequestOutputKind as K
+    e = llm.engine
+    outs = {}
+    for kind in (K.CUMULATIVE, K.DELTA, K.FINAL_ONLY):
+        sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True, output_kind=kind)
+        e.add_request("def fibonacci(n):", sp, request_id=kind.name)
+        seen = []
+        while e.has_unfinished_requests():
+            seen += [o for o in e.step() if o.request_id == kind.name]
+        outs[kind] = seen
+    cum, delta, final = outs[K.CUMULATIVE], outs[K.DELTA], outs[K.FINAL_ONLY]
+    assert len(final) == 1 and len(delta) == len(cum) == 12
+    last = cum[-1].outputs[0]
+    for got in (final[0].outputs[0],):
+        assert (got.text, got.token_ids, got.finish_reason) == (last.text, last.token_ids, last.finish_reason)
+        assert [sorted(x) for x in got.logprobs] == [sorted(x) for x in last.logprobs]
+    assert "".join(o.outputs[0].text for o in delta) == last.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == last.token_ids
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) == 1 for o in delta)
+    assert all(lp.decoded_token is not None for o in delta for lp in o.outputs[0].logprobs[0].values())
+    _assert_clean(e)

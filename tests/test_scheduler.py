@@ -5,6 +5,7 @@ Each fake step calls `schedule()`, then `update_from_output(out, sampled)` with 
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 from typing import Callable, Optional
@@ -42,7 +43,7 @@ def req(rid, prompt, max_tokens=4, **sp) -> Request:
 def check(sched: Scheduler, kv: KVCacheManager) -> None:
     kv.check_invariants()
     sched.check_invariants()
-    live = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
+    live = [r.request_id for q in (sched.running, sched.waiting, sched.ready) for r in q] + list(sched.loading)
     assert len(live) == len(set(live)) and set(live) == set(sched.requests)
     assert all(sched.requests[rid].request_id == rid for rid in live)
     for r in sched.running:
@@ -51,10 +52,10 @@ def check(sched: Scheduler, kv: KVCacheManager) -> None:
         assert len(kv.blocks_of(r.request_id)) * kv.block_size >= r.num_computed_tokens
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        if r.status == RequestStatus.PREEMPTED or r.request_id not in kv.req_blocks:
-            assert r.num_computed_tokens == 0 and r.request_id not in kv.req_blocks
-        else:  # KV imported before admission (P/D consumer): it holds exactly the blocks for its computed tokens
-            assert len(kv.blocks_of(r.request_id)) >= cdiv(r.num_computed_tokens, kv.block_size) > 0
+        assert r.num_computed_tokens == 0 and r.request_id not in kv.req_blocks
+    for r in sched.ready:  # KV imported before admission (P/D consumer): blocks for its prompt, the replay's too
+        assert r.status == RequestStatus.WAITING
+        assert len(kv.blocks_of(r.request_id)) >= cdiv(r.num_prompt_tokens, kv.block_size) > 0
 
 
 def check_out(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -895,14 +896,15 @@ def test_chunking_off_preempted_request_outgrowing_budget_does_not_livelock():
 
 
 def _import_kv(sched, kv, r):
-    """What LLMEngine.add_prefilled_request does around its model pass: hold blocks for the first n - 1 prompt
-    tokens (after any prefix hit) and mark them computed, while the request still waits."""
+    """What LLMEngine.add_prefilled_request does around its model pass: hold blocks for the prompt (after any prefix
+    hit; the replay's slot too) and mark its first n - 1 tokens computed, while the request still waits."""
     sched.add_request(r)
     hits, num_hit = kv.get_computed_blocks(r)
-    assert kv.allocate_slots(r, r.num_prompt_tokens - 1 - num_hit, hits)
+    assert kv.allocate_slots(r, r.num_prompt_tokens - num_hit, hits)
     r.num_computed_tokens = r.num_prompt_tokens - 1
     r.num_cached_tokens = num_hit
     kv.cache_blocks(r)
+    sched.mark_imported(r)
     check(sched, kv)
 
 
@@ -931,7 +933,7 @@ def test_imported_request_holding_blocks_does_not_deadlock_a_preempted_one():
     a = req("a", 7, max_tokens=8)  # 15 tokens at most: fits the 4-block pool alone
     sched.add_request(a)
     step(sched)  # a holds 2 blocks
-    _import_kv(sched, kv, req("b", 9, max_tokens=2))  # b holds the other 2 blocks while waiting
+    _import_kv(sched, kv, req("b", 8, max_tokens=2))  # b holds the other 2 blocks while waiting
     for _ in range(100):
         if not sched.has_unfinished():
             break
@@ -1026,3 +1028,34 @@ def test_random_soak_keeps_invariants(seed, chunked, caching):
         assert not any(t in stoppers for t in out[max(sp.min_tokens, 1) - 1:-1])
     assert sched.num_preemptions > 0
     assert all(stats.values()), stats
+
+
+@pytest.mark.parametrize("why", ["blocks", "budget"])
+def test_blocked_admission_looks_at_one_waiting_request(why, monkeypatch):
+    """When nothing can be admitted, a step looks at the head of the queue only, however many wait behind it."""
+    if why == "blocks":  # the running request holds every block
+        sched, kv = make(num_blocks=9, block_size=B, max_num_seqs=64, max_num_batched_tokens=32)
+        running, head = [req("big", 30, max_tokens=2)], req("head", 6)
+    else:  # without chunking, a prompt over what the running decodes leave of the budget
+        sched, kv = make(num_blocks=64, block_size=B, max_num_seqs=64, max_num_batched_tokens=32, chunked=False,
+                         max_model_len=32)
+        running, head = [req("r0", 4, max_tokens=9), req("r1", 4, max_tokens=9)], req("head", 31)
+    for r in running:
+        sched.add_request(r)
+    step(sched)
+    sched.add_request(head)
+    for i in range(1000):
+        sched.add_request(req(f"w{i}", 5))
+    looked, popped = [], []
+    real = kv.get_computed_blocks
+    monkeypatch.setattr(kv, "get_computed_blocks", lambda r: looked.append(r.request_id) or real(r))
+
+    class Counting(collections.deque):
+        def popleft(self):
+            popped.append(1)
+            return super().popleft()
+
+    sched.waiting = Counting(sched.waiting)
+    out = sched.schedule()
+    assert [row.request.request_id for row in out.rows] == [r.request_id for r in running]
+    assert looked == ["head"] and not popped and len(sched.waiting) == 1001

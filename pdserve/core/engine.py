@@ -17,7 +17,7 @@ from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.model.loader import model_dims, read_hf_config, resolve_dtype
 from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.transfer.base import make_connector
 from pdserve.transfer.proof import verify_params
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -58,7 +58,6 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._released: dict[str, str] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._prompts: dict[str, Optional[str]] = {}
         self._counter = 0
@@ -109,7 +108,6 @@ class LLMEngine:
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
-        self._released[request_id] = ""
         self._metrics[request_id] = RequestMetrics(req.arrival_time)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         return req
@@ -150,6 +148,7 @@ class LLMEngine:
         req.num_computed_tokens = n - 1
         req.num_cached_tokens = num_hit
         self.kv.cache_blocks(req)
+        self.scheduler.mark_imported(req)
         return req
 
     def compat_fields(self) -> dict:
@@ -253,30 +252,35 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._make_output(req, [req.output_token_ids[-1]]))
+            if req.is_finished or req.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(req, [req.output_token_ids[-1]]))
         return transfer_outputs + outputs
 
     def _make_output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        """The request's output after a step, as its `output_kind` asks: DELTA carries only this step's text, tokens
+        and logprobs (per-step work proportional to them), CUMULATIVE and FINAL_ONLY everything so far."""
         rid = req.request_id
         finished = req.is_finished
         detok = self._detok[rid]
         delta = detok.get_delta(finished)
-        self._released[rid] += delta
-        text = self._released[rid]
+        kind = req.sampling_params.output_kind
+        cumulative = kind != RequestOutputKind.DELTA
         logprobs = None
         if req.sampling_params.logprobs is not None:
-            logprobs = req.logprobs
-            for entry in logprobs[-len(new_ids):] if new_ids else []:
+            logprobs = req.logprobs if cumulative else req.logprobs[len(req.logprobs) - len(new_ids):]
+            fresh = logprobs if kind == RequestOutputKind.FINAL_ONLY else logprobs[len(logprobs) - len(new_ids):]
+            for entry in fresh:
                 for tok, lp in entry.items():
                     lp.decoded_token = self.tokenizer.decode([tok])
         metrics = self._metrics[rid]
         prompt = self._prompts.get(rid)
         if finished:
             metrics.finished_time = time.monotonic()
-            for d in (self._detok, self._released, self._metrics, self._prompts):
+            for d in (self._detok, self._metrics, self._prompts):
                 d.pop(rid, None)
-        comp = CompletionOutput(0, text, list(req.output_token_ids), None, logprobs, req.status.finish_reason,
-                                req.stop_reason, delta, new_ids)
+        comp = CompletionOutput(0, detok.released_text if cumulative else delta,
+                                list(req.output_token_ids) if cumulative else new_ids, None, logprobs,
+                                req.status.finish_reason, req.stop_reason, delta, new_ids)
         return RequestOutput(rid, prompt, req.prompt_token_ids, [comp], finished,
                              max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out)
 

@@ -3,8 +3,10 @@
 One step:
 1. every RUNNING request gets its next tokens (1 for a decode, up to the budget for a prefill chunk); when blocks
    run out, the most recently admitted running request is preempted (blocks freed, back to the queue's front);
-2. if nothing was preempted, WAITING/PREEMPTED requests are admitted in order while seats, tokens and blocks last,
-   starting after their prefix-cache hit;
+2. if nothing was preempted, requests holding imported KV (`ready`) get a seat for their one-token replay, then
+   WAITING/PREEMPTED requests are admitted strictly in order while seats, tokens and blocks last, starting after
+   their prefix-cache hit; on a P/D consumer a request whose KV can be loaded is parked in `loading` instead (its
+   blocks allocated, no seat, no tokens) until the load ends;
 3. after the model ran, `update_from_output` advances `num_computed_tokens`, publishes full blocks, appends the
    sampled token of each row that reached the end of its known tokens, and applies the stop conditions.
 """
@@ -55,7 +57,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # to admit, in order (fresh, preempted, loads short of blocks)
+        self.loading: dict[str, Request] = {}  # D: WAITING_FOR_REMOTE_KV, its blocks being filled from P
+        self.ready: deque[Request] = deque()  # D: holding imported KV, waiting for a seat for its replay
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -70,8 +74,17 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def mark_imported(self, req: Request) -> None:
+        """`req`, just added, holds the KV of its first n - 1 prompt tokens (the arrival driver filled it)."""
+        self.waiting.pop() if self.waiting[-1] is req else self.waiting.remove(req)
+        self.ready.append(req)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready or self.loading)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.ready) + len(self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -93,41 +106,41 @@ class Scheduler:
                 budget -= num_new
         if out.preempted:
             return out
-        # FIFO, except that once a request cannot be admitted, only requests that already hold their KV (imported)
-        # may pass it: they need at most a block more, and letting them finish frees memory for the head.
-        skipped: list[Request] = []
-        blocked = False
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
-            holds_kv = req.num_computed_tokens > 0
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV or (blocked and not holds_kv):
-                skipped.append(req)
+        seats = self.config.max_num_seqs
+        # Requests holding imported KV go first: a replay needs a seat and one token, no block (its slot came with
+        # the load), and finishing them frees memory for the rest.
+        while self.ready and budget > 0 and len(self.running) < seats:
+            req = self.ready[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget or not self.kv.allocate_slots(req, num_new):
+                break
+            self.ready.popleft()
+            budget -= self._admit(req, [], req.num_computed_tokens, num_new, out)
+        # Then strictly FIFO: the first request that cannot be admitted stops admission, so a step costs the same
+        # however many wait behind it.
+        while self.waiting and budget > 0 and len(self.running) < seats:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            load = self._start_remote_load(req, hits, num_hit)
+            if load == "loading":
+                self.loading[self.waiting.popleft().request_id] = req
                 continue
-            if holds_kv:
-                hits, num_hit = [], req.num_computed_tokens
-            else:
-                hits, num_hit = self.kv.get_computed_blocks(req)
-                load = self._start_remote_load(req, hits, num_hit)
-                if load is not None:
-                    skipped.append(req)
-                    blocked = blocked or load == "blocked"
-                    continue
             num_new = req.num_tokens - num_hit
-            if (num_new > budget and not self.config.enable_chunked_prefill) or \
+            if load == "blocked" or (num_new > budget and not self.config.enable_chunked_prefill) or \
                     not self.kv.allocate_slots(req, min(num_new, budget), hits):
-                skipped.append(req)
-                blocked = True
-                continue
-            num_new = min(num_new, budget)
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.rows.append(ScheduledRow(req, num_hit, num_new))
-            budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+                break
+            self.waiting.popleft()
+            budget -= self._admit(req, hits, num_hit, min(num_new, budget), out)
         return out
+
+    def _admit(self, req: Request, hits: list[int], num_hit: int, num_new: int, out: SchedulerOutput) -> int:
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.rows.append(ScheduledRow(req, num_hit, num_new))
+        return num_new
 
     def _start_remote_load(self, req: Request, hits: list[int], num_hit: int) -> Optional[str]:
         """P/D consumer: allocate blocks for the prompt KV a connector can load and park the request in
@@ -169,19 +182,23 @@ class Scheduler:
             if rid in self.deferred_free:
                 self.kv.free(self.deferred_free.pop(rid))
                 continue
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            req = self.loading.pop(rid, None)
+            if req is None:
                 continue
             req.status = RequestStatus.WAITING
             if rid in fin.done_recving:
                 req.num_computed_tokens = req.num_prompt_tokens - 1
                 self.kv.cache_blocks(req)  # authenticated and complete: safe to share
+                self.ready.append(req)
             elif self.load_failure_policy == "recompute":
-                # The partly written blocks are dropped, never published; the prompt is prefilled here.
+                # The partly written blocks are dropped, never published; the prompt is prefilled here, in the
+                # queue's front (it came before whatever arrived while it loaded).
                 req.kv_load_error = fin.failed[rid]
                 self.kv.free(req)
                 req.num_computed_tokens = 0
+                self.waiting.appendleft(req)
             else:
+                self.waiting.appendleft(req)  # finish_request takes it from there
                 failed.append(self.finish_request(rid, RequestStatus.FINISHED_ERROR, fin.failed[rid]))
         return failed
 
@@ -232,8 +249,8 @@ class Scheduler:
             return None
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif self.loading.pop(request_id, None) is None:
+            (self.ready if req in self.ready else self.waiting).remove(req)
         loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KV
         req.status = status
         req.error = error
@@ -252,9 +269,10 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        owners = {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | set(self.leased) \
-            | set(self.deferred_free)
+        owners = {r.request_id for q in (self.running, self.waiting, self.ready) for r in q} | set(self.loading) \
+            | set(self.leased) | set(self.deferred_free)
         assert set(self.kv.req_blocks) <= owners, f"blocks held by unknown requests: {set(self.kv.req_blocks) - owners}"
-        for r in self.waiting:  # only requests with imported KV wait while holding blocks
-            assert r.request_id not in self.kv.req_blocks or r.num_computed_tokens > 0 \
-                or r.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{r} waits holding blocks"
+        for r in self.waiting:  # only requests with imported KV (ready) or KV on its way (loading) hold blocks
+            assert r.request_id not in self.kv.req_blocks and r.num_computed_tokens == 0, f"{r} waits holding blocks"
+        assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.loading.values())
+        assert all(r.num_computed_tokens > 0 and r.status == RequestStatus.WAITING for r in self.ready)

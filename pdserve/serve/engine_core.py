@@ -65,7 +65,8 @@ def _timing(m) -> Optional[dict]:
 
 def _record(out) -> TokenRecord:
     c = out.outputs[0]
-    first = bool(c.delta_token_ids) and len(c.token_ids) == len(c.delta_token_ids)
+    m = out.metrics  # the step of the first token set both to the same time
+    first = bool(c.delta_token_ids) and m is not None and m.first_token_time == m.last_token_time
     lps = None
     if c.logprobs is not None and c.delta_token_ids:
         lps = []
@@ -190,7 +191,7 @@ class EngineCore:
         eng = self.engine
         s = eng.scheduler
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
-        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": eng.kv.pool.usage(),
+        return {"running": len(s.running), "waiting": s.num_waiting, "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer}
 
     def _q_leases(self) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.serve.errors import APIError, bad_request
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
@@ -215,6 +215,7 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
                 if k in req.model_fields_set and getattr(req, k) is not None}
     explicit["max_tokens"] = max_tokens
     explicit["logprobs"] = logprobs
+    explicit["output_kind"] = RequestOutputKind.DELTA  # the server relays deltas only: no per-step copies of the past
     try:
         return SamplingParams.from_generation_config(info.generation_config, **explicit)
     except ValueError as e:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.launcher import free_port, group_alive  # noqa: F401 (re-exported to the tests)
+from pdserve.bench.launcher import _die_with_parent, free_port, group_alive  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,8 +37,10 @@ class ServerProcess:
         # one torch thread per server: the P/D tests run several servers on 2 cores, and torch processes that each
         # spin a thread per core slow each other's GEMMs many times over
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        # PR_SET_PDEATHSIG too: a test run killed outright (a timeout's SIGTERM skips every fixture's cleanup)
+        # takes its servers with it instead of leaving them behind
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         self.pgid = self.proc.pid  # start_new_session: the server leads its own group
 
     @property
@@ -105,7 +107,7 @@ class RouterProcess:
         cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.port), "--prefill", *prefill,
                "--decode", *decode, "--kv-auth-token", KV_TOKEN, "--health-interval", "0.3", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
 
     def wait_healthy(self, timeout=60.0):
         deadline = time.monotonic() + timeout

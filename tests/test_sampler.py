@@ -31,7 +31,7 @@ def ref_probs(logits, sp):
     x = logits / sp.temperature
     if 0 < sp.top_k < V:
         x = x.masked_fill(x < x.sort(descending=True).values[sp.top_k - 1], float("-inf"))
-    if sp.top_p < 1.0:
+    if sp.top_p < 1.0:  # the smallest prefix of the sorted tokens whose mass reaches top_p
         srt, order = x.sort(descending=True)
         p = srt.softmax(-1)
         drop = torch.zeros(V, dtype=torch.bool).scatter(0, order, (p.cumsum(-1) - p) >= sp.top_p)

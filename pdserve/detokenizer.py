@@ -85,6 +85,8 @@ class IncrementalDetokenizer:
             last = final and i == len(new_token_ids) - 1
             if self._advance(force=last or len(self._ids) - self._read >= _MAX_PENDING):
                 return self.stop_reason
+        if final and not new_token_ids and self.stop_reason is None and self._read < len(self._ids):
+            return self.stop_reason if self._advance(force=True) else None  # the tail of the tokens before
         return None
 
     def _advance(self, force: bool) -> bool:
@@ -102,10 +104,10 @@ class IncrementalDetokenizer:
         self._text += new
         if not self.stop or not new or len(self._ids) - self._n_ctx <= self.min_tokens:
             return False
-        start = max(0, old_len - self._max_stop + 1)
         best = None  # (end, start, stop): the match that completes first, as if streamed char by char
-        for s in self.stop:
-            i = self._text.find(s, start)
+        for s in self.stop:  # only matches that end in the new text (as vLLM's check_stop_strings): one lying
+            i = self._text.find(s, max(0, old_len - len(s) + 1))  # wholly in older text was not searched for
+            # because it came before min_tokens
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
         if best is None:

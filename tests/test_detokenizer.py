@@ -289,3 +289,12 @@ def test_backend_decode_equals_transformers_decode(tiny_models, arch):
                for _ in range(rng.randint(1, 12))]
         for skip in (True, False):
             assert fast(ids, skip_special_tokens=skip) == t.decode(ids, skip_special_tokens=skip)
+
+
+def test_short_stop_inside_the_min_tokens_text_never_matches():
+    """With several stop strings, a short one lying wholly in the text before min_tokens (within the longest one's
+    reach of its end) is not matched later: a match must end in new text (found by the randomized engine test)."""
+    ptok = Pieces(b"aZ", b"q", b"r")
+    d = IncrementalDetokenizer(ptok, stop=["Z", "Z7E"], min_tokens=1)
+    assert d.update([0]) is None and d.update([1]) is None and d.update([2]) is None
+    assert d.get_delta(finished=True) == "aZqr"

@@ -206,3 +206,22 @@ def test_output_kinds(llm):
     assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) == 1 for o in delta)
     assert all(lp.decoded_token is not None for o in delta for lp in o.outputs[0].logprobs[0].values())
     _assert_clean(e)
+
+
+def test_stop_token_text_left_out(llm):
+    """As vLLM: the text of the stop token id that ended a request is not in its output (unless
+    include_stop_str_in_output); the id itself is in token_ids. Also when it is the last allowed token."""
+    base = llm.generate(["for i in"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    target = base.token_ids[3]
+    first = base.token_ids.index(target)
+    tok = llm.engine.tokenizer
+    assert tok.decode(base.token_ids[first:first + 1]), "the stop token must have text for this test"
+    for max_tokens in (10, first + 1):
+        for incl in (False, True):
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=[target],
+                                include_stop_str_in_output=incl)
+            out = llm.generate(["for i in"], sp, use_tqdm=False)[0]
+            c = out.outputs[0]
+            assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", target, base.token_ids[:first + 1])
+            assert c.text == tok.decode(base.token_ids[:first + (1 if incl else 0)])

@@ -819,7 +819,14 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
 def test_min_tokens_does_not_extend_past_max_tokens():
     r = _run_one(req("a", 5, max_tokens=2, min_tokens=2, ignore_eos=False), _script(EOS, EOS))
     assert r.output_token_ids == [EOS, EOS]
-    assert r.status == RequestStatus.FINISHED_LENGTH  # length is checked first, like vLLM
+    assert r.status == RequestStatus.FINISHED_STOPPED  # the last allowed token is EOS: a stop, as vLLM's check_stop
+
+
+def test_stop_token_as_last_allowed_token_is_a_stop():
+    r = _run_one(req("a", 5, max_tokens=3, stop_token_ids=[TOK]), _script(7, 8, TOK))
+    assert (r.status, r.stop_reason, r.output_token_ids) == (RequestStatus.FINISHED_STOPPED, TOK, [7, 8, TOK])
+    r = _run_one(req("b", 6, max_tokens=100, stop_token_ids=[TOK]), _script(7, 8, 9, TOK), max_model_len=10)
+    assert (r.status, r.stop_reason) == (RequestStatus.FINISHED_STOPPED, TOK)  # at the end of the context too
 
 
 def test_max_model_len_caps_output():

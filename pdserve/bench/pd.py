@@ -110,7 +110,7 @@ def run_bench_pd(args) -> int:
     out = Path(args.result_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
-    rows, dep = [], None
+    rows, dep, interrupted = [], None, False
 
     def on_term(signum, frame):
         raise KeyboardInterrupt  # one exit path for Ctrl-C and SIGTERM: the finally below
@@ -141,6 +141,7 @@ def run_bench_pd(args) -> int:
             if killed:
                 print(f"[bench pd] {arm}: had to kill {', '.join(killed)}", flush=True)
     except KeyboardInterrupt:
+        interrupted = True
         print("\n[bench pd] interrupted: stopping the deployment", flush=True)
         return 130
     finally:
@@ -149,8 +150,9 @@ def run_bench_pd(args) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if dep is not None:
             dep.stop(timeout=10.0)
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old)
+        if not interrupted:  # interrupted, they stay ignored until exit: an interrupt that arrived during the
+            signal.signal(signal.SIGINT, old_int)  # event loop's teardown could otherwise be delivered after ours
+            signal.signal(signal.SIGTERM, old)  # and end the process by SIGINT (exit -2 instead of 130)
     table = format_table(rows)
     print(table)
     (out / "table.txt").write_text(table + "\n")

@@ -141,7 +141,8 @@ class LLMEngine:
             return req  # nothing to import: it is a fresh one-token prompt
         hits, num_hit = self.kv.get_computed_blocks(req)
         if not self.kv.allocate_slots(req, n - num_hit, hits):  # the replay's slot too, as a remote load
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, "no free KV blocks")
+            self._make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
+                                                            "no free KV blocks"), [])  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
         self.runner.prefill_kv(req, num_hit, n - 1, self.kv.blocks_of)
@@ -229,9 +230,9 @@ class LLMEngine:
             result = self.runner.execute(out.rows, self.kv.blocks_of)
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
-            return [self._make_output(self.scheduler.finish_request(r.request.request_id, RequestStatus.FINISHED_ERROR,
-                                                                    f"model step failed: {e}"), [])
-                    for r in out.rows]
+            return transfer_outputs + [
+                self._make_output(self.scheduler.finish_request(r.request.request_id, RequestStatus.FINISHED_ERROR,
+                                                                f"model step failed: {e}"), []) for r in out.rows]
         updated = self.scheduler.update_from_output(out, result.sampled)
         lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
         now = time.monotonic()
@@ -243,10 +244,13 @@ class LLMEngine:
             m.last_token_time = now
             if rid in lp_by_req:
                 req.logprobs.append(lp_by_req[rid])
-            stop = self._detok[rid].update([req.output_token_ids[-1]], final=req.is_finished)
+            # As vLLM, the text of a token that stopped the request (EOS, a stop token id) is left out unless
+            # include_stop_str_in_output; a stop string completed by the text that is kept wins over the stop the
+            # scheduler saw in the same token (the length cap): the text was cut at the string.
+            by_token = req.status == RequestStatus.FINISHED_STOPPED
+            keep = not by_token or req.sampling_params.include_stop_str_in_output
+            stop = self._detok[rid].update(req.output_token_ids[-1:] if keep else [], final=req.is_finished)
             if stop is not None:
-                # As vLLM, a stop string wins over the stop the scheduler saw in the same token (the length cap,
-                # EOS, a stop token id): the text was cut at the string.
                 req.stop_reason = stop
                 if req.is_finished:
                     req.status = RequestStatus.FINISHED_STOPPED

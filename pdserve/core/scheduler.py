@@ -230,17 +230,18 @@ class Scheduler:
         return updated
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        """As vLLM: before min_tokens only the end of the context stops a request; then EOS, a stop token id (the
+        stop_reason), and only then the length caps (a stop token that is also the last allowed one is a stop)."""
         sp = req.sampling_params
-        if req.num_tokens >= self.max_model_len or req.num_output_tokens >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+        capped = req.num_tokens >= self.max_model_len or req.num_output_tokens >= req.max_tokens
         if req.num_output_tokens < sp.min_tokens:
-            return None
+            return RequestStatus.FINISHED_LENGTH if capped else None
         if not sp.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        return None
+        return RequestStatus.FINISHED_LENGTH if capped else None
 
     def finish_request(self, request_id: str, status: RequestStatus, error: Optional[str] = None) -> Optional[Request]:
         """Finish (stop, abort, fail) a request in any state and free its blocks. Unknown ids are ignored."""

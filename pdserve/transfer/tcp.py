@@ -3,9 +3,11 @@
 Producer (P) lifecycle of a request:
 1. a request with `kv_transfer_params.do_remote_decode` prefills and samples its one token as usual;
 2. `request_finished` keeps its blocks under a lease (transfer id, expiry `kv_lease_seconds`) and returns the
-   `kv_transfer_params` that tell D where and what to read (engine, endpoint, transfer id, prompt length and hash);
+   `kv_transfer_params` that tell D where and what to read (engine, endpoint, transfer id, prompt length and hash)
+   and for how long (`lease_seconds` left, never an absolute time: hosts' clocks are not compared);
 3. the KV server answers authenticated reads of (transfer id, block index, count) from that lease only, pinning it
-   while it reads and extending it (a read is D's renewal); an unknown, released or expired lease answers `expired`;
+   while it reads and extending it (a read renews it, and so does a `renew`, which answers the seconds now left);
+   an unknown, released or expired lease answers `expired`;
    the handshake has `kv_transfer_timeout` and each read `kv_lease_seconds`, then the connection is shut;
 4. D's `done`, a `release_lease` (the router's `POST /v1/kv/release` on P, with the signed params, when no D took
    the request), or the lease running out with no read in flight, releases it: `get_finished` hands the request
@@ -14,15 +16,17 @@ Producer (P) lifecycle of a request:
 Consumer (D) lifecycle of a request:
 1. `get_num_new_matched_tokens` checks the params (peer in `kv_peers`, prompt length, prompt hash against D's own
    token ids) and offers the n - 1 prompt tokens beyond D's own prefix-cache hit;
-2. the scheduler allocates blocks, parks the request in WAITING_FOR_REMOTE_KV (no token budget spent) and
-   `update_state_after_alloc` queues the load;
+2. the scheduler allocates blocks (for the replay's token too), parks the request in WAITING_FOR_REMOTE_KV (no
+   token budget spent) and `update_state_after_alloc` queues the load; short of blocks, it waits and asks again
+   each step while `lease_time_left` (P's `lease_seconds` from the request's arrival here, renewed in the
+   background once half of it has passed) lasts, then prefills locally;
 3. `start_load_kv` pulls on a worker thread: handshake, reads of up to 64 blocks per frame received straight into
    D's own blocks, then `done`; the whole pull, counted from when it was queued, has `kv_transfer_timeout`;
 4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
    scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
-   (params rejected, no blocks for the load, all cached here) still sends P a bare `done` for its lease, and so
-   does a request D refuses or drops before asking for its load (a 400 or 503 answer, an abort while queued):
-   `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`.
+   (params rejected, the lease ran out while blocks were short, all cached here) still sends P a bare `done` for
+   its lease, and so does a request D refuses or drops before asking for its load (a 400 or 503 answer, an abort
+   while queued): `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ import torch
 from pdserve.config import LOOPBACK
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, register_connector
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job, register_connector
 from pdserve.transfer.protocol import TIMEOUTS, ProtocolError, client_handshake, server_handshake, tune
 
 logger = logging.getLogger("pdserve.transfer")
@@ -344,13 +344,9 @@ class TcpConnector(KVConnector):
         return n - 1 - num_local_computed
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
-        """`block_ids` empty: the scheduler could not allocate and prefills locally; only P's lease is released."""
-        if not block_ids:
-            self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), 0, []))
-            return
-        first = num_local_computed // self.block_size
-        last = cdiv(req.num_prompt_tokens - 1, self.block_size)
-        self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), first, block_ids[first:last]))
+        """`block_ids` empty: the lease ran out while blocks were short and D prefills locally; only P's lease is
+        released."""
+        self._queued.append(load_job(req, block_ids, num_local_computed, self.block_size))
 
     def build_connector_meta(self) -> ConnectorMeta:
         meta, self._queued = ConnectorMeta(self._queued), []

@@ -16,8 +16,7 @@ from typing import Optional
 
 import torch
 
-from pdserve.core.kv_cache_manager import cdiv
-from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, register_connector
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job, register_connector
 from pdserve.transfer.proof import sign_params
 
 NAME = "FuzzConnector"
@@ -108,11 +107,7 @@ class FuzzConnector(KVConnector):
             lease = self.p.leases[tid]
             if lease.alive and num_local_computed < req.num_prompt_tokens - 1:
                 self.events[req.request_id].append(f"gave_up@{self.p.now}")  # P still holds the KV D will recompute
-            self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), 0, []))
-            return
-        first = num_local_computed // self.block_size
-        last = cdiv(req.num_prompt_tokens - 1, self.block_size)
-        self._queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), first, block_ids[first:last]))
+        self._queued.append(load_job(req, block_ids, num_local_computed, self.block_size))
 
     def build_connector_meta(self) -> ConnectorMeta:
         meta, self._queued = ConnectorMeta(self._queued), []

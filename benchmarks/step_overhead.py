@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/step_overhead.py                  # writes benchmarks/results/step_overhead.json
     .venv/bin/python benchmarks/step_overhead.py --rows 32 --steps 100
+    PYTHONPATH=/tmp/base .venv/bin/python benchmarks/step_overhead.py --out /tmp/before.json   # another checkout
 
 For each batch size (1, 32, 256 rows by default) and workload, R requests with distinct 64-token prompts are
 prefilled, then `--steps` decode steps are timed phase by phase (wrappers around the engine's own functions):
@@ -12,7 +13,8 @@ prefilled, then `--steps` decode steps are timed phase by phase (wrappers around
   sample    the sampler (penalties, filters, noise, logprobs, the read-back)
   outputs   the rest of LLMEngine.step: update_from_output, stop checks, detokenizer, RequestOutput objects
   server    what the server's engine loop adds per step (the picklable records sent to the HTTP side)
-Workloads: `greedy` (all rows temperature 0) and `mix` (half greedy, half temperature 0.8 + top-p 0.9 + repetition
+"op calls" counts the aten/oneDNN calls of one more step (torch.profiler). Workloads: `greedy` (all rows
+temperature 0) and `mix` (half greedy, half temperature 0.8 + top-p 0.9 + repetition
 penalty 1.1; the random half seeded; 4 rows with logprobs=5). "host" = everything but forward and logits. Medians
 over the timed steps. Run it on a quiet machine: two cores, and anything else running distorts every figure.
 """
@@ -33,8 +35,12 @@ PHASES = ("schedule", "prepare", "forward", "logits", "sample", "outputs", "serv
 
 def params_for(workload: str, i: int, n: int):
     from pdserve import SamplingParams
-    from pdserve.sampling_params import RequestOutputKind
-    common = dict(max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)  # as the server asks
+    common = dict(max_tokens=400, ignore_eos=True)
+    try:  # as the server asks (a tree from before output kinds, run as the baseline, has only cumulative outputs)
+        from pdserve.sampling_params import RequestOutputKind
+        common["output_kind"] = RequestOutputKind.DELTA
+    except ImportError:
+        pass
     if workload == "greedy" or i < n // 2:
         return SamplingParams(temperature=0, logprobs=5 if workload == "mix" and i < 2 else None, **common)
     return SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1000 + i,
@@ -94,7 +100,11 @@ def measure(model: str, rows: int, workload: str, steps: int) -> dict:
         per_step["host"].append(sum(timer.cur[p] for p in PHASES if p not in ("forward", "logits")) * 1e3)
         per_step["step"].append((total + timer.cur["server"]) * 1e3)
     assert eng.graph_stats()["full_steps"] > 0
-    return {k: statistics.median(v) for k, v in per_step.items()}
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # one more step, counted op by op (not timed)
+        eng.step()
+    ops = sum(e.count for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::")))
+    return {**{k: statistics.median(v) for k, v in per_step.items()}, "op_calls": ops}
 
 
 def _timed(timer, phase, fn, *a, **kw):
@@ -114,19 +124,25 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_overhead.json"), help="JSON result path")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
+    if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=<another checkout> measures that tree (a baseline)
+        sys.path.insert(0, str(ROOT))
     from pdserve.model.make_model import ensure_model
     model = args.model or str(ensure_model("qwen3", "tiny", 0))
     import torch
     results = []
-    print(f"{'rows':>5} {'workload':>8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'host':>7} {'step':>7}  (ms)")
+    print(f"{'rows':>5} {'workload':>8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'host':>7} {'step':>7}  (ms)"
+          f" {'op calls':>8}")
     for rows in map(int, args.rows.split(",")):
         for wl in args.workloads.split(","):
             r = measure(model, rows, wl, args.steps)
             results.append({"rows": rows, "workload": wl, **r})
             print(f"{rows:>5} {wl:>8} " + " ".join(f"{r[p]:9.3f}" for p in PHASES) + f" {r['host']:7.3f} "
-                  f"{r['step']:7.3f}", flush=True)
-    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
+                  f"{r['step']:7.3f}       {r['op_calls']:8d}", flush=True)
+    import subprocess
+    import pdserve
+    tree = Path(pdserve.__file__).resolve().parent.parent
+    rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    out = {"tree": str(tree), "rev": rev.stdout.strip(), "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
            "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

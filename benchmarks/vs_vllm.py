@@ -113,7 +113,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=200, help="prompts per run (at least 200 for the table)")
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server")
     ap.add_argument("--max-model-len", type=int, default=512, help="context length of both servers")
-    ap.add_argument("--block-size", type=int, default=16, help="KV block size of both servers")
+    ap.add_argument("--block-size", type=int, default=32, help="KV block size of both servers (vLLM's CPU "
+                    "attention takes multiples of 32 only)")
     ap.add_argument("--backends", default="thread", help="comma-separated pdserve --engine-backend values to run: "
                     "thread (the engine loop beside the HTTP event loop, one process) and/or process (its own "
                     "process, outputs over a pipe)")
@@ -129,7 +130,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from pdserve.model.make_model import ensure_model
     env = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+           "TRANSFORMERS_OFFLINE": "1",
+           # vLLM pins its OpenMP threads; to the cores this process may use (its default may pick others)
+           "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))}
     tmp = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     results = []
     for size in args.models.split(","):

@@ -65,14 +65,15 @@ class PhaseTimer:
         setattr(obj, name, timed)
 
 
-def measure(model: str, rows: int, workload: str, steps: int) -> dict:
+def measure(model: str, rows: int, workload: str, steps: int, prompt_len: int = 64) -> dict:
     from pdserve import LLM
     from pdserve.serve.engine_core import _record
-    llm = LLM(model, max_model_len=512, max_num_seqs=max(rows, 1), max_num_batched_tokens=max(2048, rows),
-              num_gpu_blocks_override=rows * 8 + 40)
+    ctx = prompt_len + 400 + 16
+    llm = LLM(model, max_model_len=ctx, max_num_seqs=max(rows, 1), max_num_batched_tokens=max(2048, rows),
+              num_gpu_blocks_override=rows * (ctx // 16 + 1) + ctx // 16 + 2)
     eng, runner = llm.engine, llm.engine.runner
     for i in range(rows):
-        eng.add_request([3 + (i * 131 + j * 7) % 8000 for j in range(64)], params_for(workload, i, rows))
+        eng.add_request([3 + (i * 131 + j * 7) % 8000 for j in range(prompt_len)], params_for(workload, i, rows))
     while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # prefill (and the first tokens)
     for _ in range(3):
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,32,256", help="comma-separated batch sizes (rows per decode step)")
     ap.add_argument("--workloads", default="greedy,mix", help="comma-separated: greedy, mix")
     ap.add_argument("--steps", type=int, default=60, help="timed decode steps per case (median reported)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (the context the timed "
+                    "steps decode over; the tiny model allows up to ~1600)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_overhead.json"), help="JSON result path")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -134,7 +137,7 @@ def main() -> None:
           f" {'op calls':>8}")
     for rows in map(int, args.rows.split(",")):
         for wl in args.workloads.split(","):
-            r = measure(model, rows, wl, args.steps)
+            r = measure(model, rows, wl, args.steps, args.prompt_len)
             results.append({"rows": rows, "workload": wl, **r})
             print(f"{rows:>5} {wl:>8} " + " ".join(f"{r[p]:9.3f}" for p in PHASES) + f" {r['host']:7.3f} "
                   f"{r['step']:7.3f}       {r['op_calls']:8d}", flush=True)
@@ -142,7 +145,7 @@ def main() -> None:
     import pdserve
     tree = Path(pdserve.__file__).resolve().parent.parent
     rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    out = {"tree": str(tree), "rev": rev.stdout.strip(), "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
+    out = {"tree": str(tree), "rev": rev.stdout.strip(), "prompt_len": args.prompt_len, "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
            "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -26,3 +26,23 @@ def test_rows_reaching_max_model_len_ride_full(qwen3_tiny, max_model_len, block_
         assert o.outputs[0].finish_reason == "length", o.error
         assert o.outputs[0].token_ids == e.outputs[0].token_ids
     assert len(prompts[0]) + len(outs[False][0].outputs[0].token_ids) == max_model_len
+
+
+def test_block_table_arrays_follow_the_block_lists():
+    """The per-request int64 block arrays the model runner copies from grow with the block lists (past their first
+    capacity too) and go with them."""
+    import numpy as np
+
+    from pdserve.core.kv_cache_manager import KVCacheManager
+    from pdserve.request import Request
+    kv = KVCacheManager(200, 2)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5)) for i in range(3)]
+    for step in range(60):
+        for i, r in enumerate(reqs):
+            if step % (i + 1) == 0:
+                assert kv.allocate_slots(r, 1 + i)
+                r.num_computed_tokens += 1 + i
+            assert np.array_equal(kv.block_table(r.request_id), kv.blocks_of(r.request_id))
+    kv.free(reqs[0])
+    assert kv.block_table("r0").size == 0
+    assert kv.allocate_slots(reqs[0], 3) and kv.block_table("r0").tolist() == kv.blocks_of("r0")

@@ -145,7 +145,7 @@ class LLMEngine:
                                                             "no free KV blocks"), [])  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
-        self.runner.prefill_kv(req, num_hit, n - 1, self.kv.blocks_of)
+        self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
         req.num_computed_tokens = n - 1
         req.num_cached_tokens = num_hit
         self.kv.cache_blocks(req)
@@ -227,7 +227,7 @@ class LLMEngine:
             m = self._metrics[row.request.request_id]
             m.first_scheduled_time = m.first_scheduled_time or now
         try:
-            result = self.runner.execute(out.rows, self.kv.blocks_of)
+            result = self.runner.execute(out.rows, self.kv.block_table)
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
             return transfer_outputs + [

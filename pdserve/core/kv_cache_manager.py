@@ -1,8 +1,13 @@
 """Per-request block tables on top of the BlockPool: prefix-cache lookup, slot allocation, publishing full blocks."""
 from __future__ import annotations
 
+import numpy as np
+
 from pdserve.core.block_pool import BlockPool, hash_block
 from pdserve.request import Request
+
+
+_NO_BLOCKS = np.zeros(0, np.int64)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -15,9 +20,29 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks of a request already in the prefix cache
+        # Each request's block ids as an int64 array with room to grow, synced with req_blocks (which only grows
+        # until freed) by appending what was added since: the model runner copies rows into its block table from
+        # these every step, a memcpy instead of converting a Python list that grows with the context.
+        self._tables: dict[str, list] = {}  # request id -> [array, ids filled]
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
+
+    def block_table(self, request_id: str) -> np.ndarray:
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return _NO_BLOCKS
+        entry = self._tables.get(request_id)
+        n = len(blocks)
+        if entry is None:
+            entry = self._tables[request_id] = [np.empty(max(16, 2 * n), np.int64), 0]
+        elif len(entry[0]) < n:
+            entry[0] = np.concatenate([entry[0][:entry[1]], np.empty(2 * n - entry[1], np.int64)])
+        arr, filled = entry
+        if filled < n:
+            arr[filled:n] = blocks[filled:n]
+            entry[1] = n
+        return arr[:n]
 
     def _update_hashes(self, req: Request) -> None:
         bs, hashes = self.block_size, req.block_hashes
@@ -72,6 +97,7 @@ class KVCacheManager:
         self._num_published[req.request_id] = full
 
     def free(self, req: Request) -> None:
+        self._tables.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, [])
         self._num_published.pop(req.request_id, None)
         self.pool.free(reversed(blocks))

@@ -573,3 +573,33 @@ def test_imports_filling_the_pool_make_progress(qwen3_tiny):
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
+
+
+def test_lease_renewed_for_requests_queued_behind_others(qwen3_tiny, collocated):
+    """D has one seat, busy for ~1.5 s; an import queued behind it (P leases for 0.6 s) keeps its lease alive by
+    renewals while it queues, and is then pulled, not prefilled."""
+    p = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.6)
+    d = LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
+                                            "kv_auth_token": "secret"}, max_num_seqs=1, **ENGINE)
+    try:
+        params = prefill_on(p, PROMPTS[3:4])
+        d.engine.add_request("import os\n", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                             request_id="busy")
+        d.engine.step()
+        d.engine.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                             request_id="d0", kv_transfer_params=params[0])
+        done, t0 = {}, time.monotonic()
+        while d.engine.has_unfinished_requests():
+            assert time.monotonic() - t0 < 30
+            p.engine.step()
+            if time.monotonic() - t0 > 1.5 and "busy" not in done:
+                d.engine.abort_request("busy")
+            done.update({o.request_id: o for o in d.engine.step() if o.finished})
+        assert done["d0"].outputs[0].token_ids == collocated[3]
+        assert d.engine.connector.stats.bytes_received > 0
+        drain(p, deadline=5)
+        assert p.engine.connector.stats.failures["lease_expired"] == 0
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()

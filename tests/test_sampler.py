@@ -112,3 +112,17 @@ def test_several_positions_per_row():
     assert all(t in logits[i].topk(3).indices.tolist() for i, t in zip((3, 4), tokens[3:]))
     assert [lp is not None for lp in lps] == [True, True, True, False, False]
     assert _logprobs(logits[:1], tokens[:1], [2])[0].keys() == lps[0].keys()
+
+
+def test_rows_without_a_finite_logit_do_not_fail_the_batch():
+    """A row whose logits are all -inf (or NaN) under top-k / top-p samples something instead of raising (which
+    failed every request of the step)."""
+    reqs = [Request("a", [1], SamplingParams(temperature=0.8, top_k=5, max_tokens=3)),
+            Request("b", [1], SamplingParams(temperature=0.8, top_p=0.5, max_tokens=3)),
+            Request("c", [1], SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=3))]
+    logits = torch.randn(3, V)
+    logits[0] = float("-inf")
+    logits[1] = float("nan")
+    tokens, _ = Sampler(torch.device("cpu"), 0)(logits, reqs)
+    assert len(tokens) == 3 and all(0 <= t < V for t in tokens)
+    assert tokens[2] in logits[2].topk(5).indices.tolist()

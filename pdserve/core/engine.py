@@ -145,7 +145,12 @@ class LLMEngine:
                                                             "no free KV blocks"), [])  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
-        self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
+        try:
+            self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
+        except Exception as e:  # nothing of it may stay behind: not its blocks, not its per-request state
+            self._make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
+                                                            f"prefill for the import failed: {e}"), [])
+            raise
         req.num_computed_tokens = n - 1
         req.num_cached_tokens = num_hit
         self.kv.cache_blocks(req)

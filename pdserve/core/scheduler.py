@@ -73,6 +73,8 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if self.connector is not None and (req.kv_transfer_params or {}).get("do_remote_prefill"):
+            self.connector.watch_lease(req)  # kept alive while it queues, wherever it is in the queue
 
     def mark_imported(self, req: Request) -> None:
         """`req`, just added, holds the KV of its first n - 1 prompt tokens (the arrival driver filled it)."""
@@ -155,8 +157,9 @@ class Scheduler:
             return None
         # The replay's slot comes with the load: a load for exactly k blocks whose replay then needed block k + 1
         # could wait forever once waiting imports held every block (they take no seat and are never preempted).
-        if not self.kv.allocate_slots(req, num_external + 1, hits):
-            if self.connector.lease_time_left(req) > 0:
+        alive = self.connector.lease_time_left(req) > 0  # a request that queued past its lease is not pulled
+        if not alive or not self.kv.allocate_slots(req, num_external + 1, hits):
+            if alive:
                 return "blocked"
             # The lease ran out while blocks were short: prefill locally. No blocks to fill tells the connector
             # to let the producer release it now (vLLM's update_state_after_alloc with none external).

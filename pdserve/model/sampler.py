@@ -186,7 +186,9 @@ def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         srt = srt.masked_fill(srt < kth, float("-inf"))
         p = srt.softmax(-1)
         top_p = torch.tensor([sps[i].top_p for i in rows], device=dev, dtype=p.dtype)
-        keep = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1, keepdim=True)  # >= 1: the first token always stays
+        # The first token always stays (also on a row with no finite logit, where no mass ever reaches top_p).
+        keep = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1, keepdim=True).clamp_(min=1)
+        keep = torch.where(top_p[:, None] >= 1.0, k[:, None], keep)  # top-k only: no float cumsum cuts its tail
         threshold = torch.maximum(kth, srt.gather(1, keep - 1))  # top-p past what top-k kept reads -inf
         logits[rows] = logits[rows].masked_fill(logits[rows] < threshold, float("-inf"))
     probs = logits.softmax(dim=-1)

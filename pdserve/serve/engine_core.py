@@ -147,10 +147,11 @@ class EngineCore:
                 if rid not in eng.scheduler.requests:  # never admitted: no load of its own will tell P
                     self._release_remote(rid, kv_params)
         elif op == "abort":
+            req = eng.scheduler.requests.get(cmd[1])
+            generated = req.num_output_tokens if req is not None else 0
             out = eng.abort_request(cmd[1])
             if out is not None:
-                logger.info("aborted (%d tokens generated)", len(out.outputs[0].token_ids),
-                            extra={"request_id": cmd[1]})
+                logger.info("aborted (%d tokens generated)", generated, extra={"request_id": cmd[1]})
                 batch.records.append(_record(out))
         elif op == "abort_all":
             for rid in list(eng.scheduler.requests):

@@ -171,8 +171,10 @@ def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"{where}: must be an object with a string 'role'", where)
         content = m.get("content")
-        if content is None:  # OpenAI: only an assistant message with tool calls may omit it, and we serve no tools
-            raise bad_request(f"{where}.content: field required", f"{where}.content")
+        if content is None:  # OpenAI: only an assistant message with tool calls may omit it (replayed history)
+            if m.get("role") != "assistant" or not (m.get("tool_calls") or m.get("function_call")):
+                raise bad_request(f"{where}.content: field required", f"{where}.content")
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, p in enumerate(content):

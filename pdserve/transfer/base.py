@@ -54,7 +54,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
-        """Blocks are allocated for the local hit plus the loadable tokens: queue the load."""
+        """Blocks are allocated for the local hit, the loadable tokens and the replay's token (not loaded): queue the
+        load. No blocks: the request prefills locally; only release what the producer holds for it."""
 
     @abstractmethod
     def build_connector_meta(self) -> ConnectorMeta:
@@ -68,6 +69,10 @@ class KVConnector(ABC):
         """Consumer: seconds the producer still holds `req`'s KV. While > 0, a request short of blocks for its load
         waits and asks again; at 0 it prefills locally."""
         return 0.0
+
+    def watch_lease(self, req: Request) -> None:
+        """Consumer: `req` (remote-prefill params, checked) now waits to be scheduled: keep what the producer holds
+        for it alive until its load starts or it ends."""
 
     def request_abandoned(self, req: Request) -> None:
         """Consumer: `req` finished before its load started; let the producer release what it holds for it."""

@@ -35,6 +35,10 @@ class MultiConnector(KVConnector):
         c = self._source.get(req.request_id)
         return c.lease_time_left(req) if c is not None else 0.0
 
+    def watch_lease(self, req: Request) -> None:
+        for c in self.children:
+            c.watch_lease(req)
+
     def request_abandoned(self, req: Request) -> None:
         c = self._source.pop(req.request_id, None)
         for child in [c] if c is not None else self.children:

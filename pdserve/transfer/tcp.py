@@ -17,9 +17,10 @@ Consumer (D) lifecycle of a request:
 1. `get_num_new_matched_tokens` checks the params (peer in `kv_peers`, prompt length, prompt hash against D's own
    token ids) and offers the n - 1 prompt tokens beyond D's own prefix-cache hit;
 2. the scheduler allocates blocks (for the replay's token too), parks the request in WAITING_FOR_REMOTE_KV (no
-   token budget spent) and `update_state_after_alloc` queues the load; short of blocks, it waits and asks again
-   each step while `lease_time_left` (P's `lease_seconds` from the request's arrival here, renewed in the
-   background once half of it has passed) lasts, then prefills locally;
+   token budget spent) and `update_state_after_alloc` queues the load; short of blocks, it keeps its place in the
+   queue while `lease_time_left` lasts (P's `lease_seconds` from the request's arrival here, x0.9 for the hop),
+   renewed in the background (`renew`) once less than half of that is left, for every request queued on a lease
+   (`watch_lease`), then prefills locally; a request that reaches the head after its lease ended is not pulled;
 3. `start_load_kv` pulls on a worker thread: handshake, reads of up to 64 blocks per frame received straight into
    D's own blocks, then `done`; the whole pull, counted from when it was queued, has `kv_transfer_timeout`;
 4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
@@ -31,6 +32,7 @@ Consumer (D) lifecycle of a request:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -116,6 +118,8 @@ class TcpConnector(KVConnector):
         self._queued: list[LoadJob] = []
         self._inflight: set[str] = set()
         self._renewing: set[str] = set()  # D: requests whose lease renewal is in flight
+        self._watched: list = []  # D: heap of (when to look again, seq, request) for requests queued on a lease
+        self._seq = 0
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
@@ -445,6 +449,31 @@ class TcpConnector(KVConnector):
             self._pool.submit(self._renew_lease, req, seconds)
         return left
 
+    def watch_lease(self, req: Request) -> None:
+        p = req.kv_transfer_params
+        try:
+            ok = self.peer_allowed(str(p["remote_host"]), int(p["remote_port"])) and p.get("transfer_id")
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if ok:
+            self._look_again(req, req.arrival_time)
+
+    def _look_again(self, req: Request, at: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._watched, (at, self._seq, req))
+
+    def _renew_watched(self) -> None:
+        """Engine thread, every step: queued requests whose lease is past half get a background renewal (the queue's
+        head is also asked each step by the scheduler; this reaches the requests behind it). O(1) when none is due."""
+        now = time.monotonic()
+        while self._watched and self._watched[0][0] <= now:
+            _, _, req = heapq.heappop(self._watched)
+            if req.is_finished or req.kv_load_tried:
+                continue
+            seconds = float(req.kv_transfer_params.get("lease_seconds", self.config.kv_lease_seconds))
+            if self.lease_time_left(req) > 0:
+                self._look_again(req, now + max(seconds / 8, 0.01))
+
     def _renew_lease(self, req: Request, seconds: float) -> None:
         p, sent, deadline = req.kv_transfer_params, time.monotonic(), None
         try:
@@ -481,6 +510,7 @@ class TcpConnector(KVConnector):
 
     # ---- both ----------------------------------------------------------------------------------------------
     def get_finished(self) -> FinishedTransfers:
+        self._renew_watched()
         now = time.monotonic()
         out = FinishedTransfers()
         with self._lock:

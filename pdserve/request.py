@@ -59,6 +59,10 @@ class Request:
         self.kv_load_tried = False  # D: the load was started or given up; a failed load recomputes locally
         self.kv_load_error: Optional[str] = None
         self.kv_lease_end: Optional[float] = None  # D: until when (this host's clock) P holds the KV to load
+        # The engine's per-request state, set by LLMEngine.add_request: it lives and dies with the request.
+        self.detok = None  # IncrementalDetokenizer
+        self.metrics = None  # RequestMetrics
+        self.prompt_text: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -103,7 +103,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 def test_several_positions_per_row():
     """Rows that sample several positions (speculative decoding's 1 + K): each position follows its row's rules."""
-    rng, sampler = random.Random(3), Sampler(torch.device("cpu"), 0)
+    sampler = Sampler(torch.device("cpu"), 0)
     reqs = [Request("g", [3, 4], SamplingParams(temperature=0, max_tokens=5, logprobs=2)),
             Request("s", [3, 4], SamplingParams(temperature=0.8, top_k=3, max_tokens=5))]
     logits = torch.randn(5, V)

@@ -57,9 +57,6 @@ class LLMEngine:
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._metrics: dict[str, RequestMetrics] = {}
-        self._prompts: dict[str, Optional[str]] = {}
         self._counter = 0
 
     def _num_blocks(self) -> int:
@@ -105,11 +102,11 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params)
         self.scheduler.add_request(req)
-        self._detok[request_id] = IncrementalDetokenizer(
+        req.detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
-        self._metrics[request_id] = RequestMetrics(req.arrival_time)
-        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        req.metrics = RequestMetrics(req.arrival_time)
+        req.prompt_text = prompt if isinstance(prompt, str) else None
         return req
 
     def _id_in_use(self, request_id: str) -> bool:
@@ -208,8 +205,8 @@ class LLMEngine:
         fin = self.connector.get_finished()
         now = time.monotonic()
         for rid in fin.done_recving | set(fin.failed):
-            if (m := self._metrics.get(rid)) is not None:
-                m.kv_load_end_time = now
+            if (req := self.scheduler.requests.get(rid)) is not None:
+                req.metrics.kv_load_end_time = now
         failed = self.scheduler.process_transfers(fin)
         return [self._make_output(r, []) for r in failed if r is not None]
 
@@ -221,7 +218,7 @@ class LLMEngine:
             now = time.monotonic()
             for job in meta.loads:
                 if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
-                    self._metrics[job.request_id].kv_load_start_time = now
+                    self.scheduler.requests[job.request_id].metrics.kv_load_start_time = now
             self.connector.start_load_kv(meta)
         if not out.rows:
             if self.has_unfinished_requests() and not transfer_outputs:
@@ -229,7 +226,7 @@ class LLMEngine:
             return transfer_outputs
         now = time.monotonic()
         for row in out.rows:
-            m = self._metrics[row.request.request_id]
+            m = row.request.metrics
             m.first_scheduled_time = m.first_scheduled_time or now
         try:
             result = self.runner.execute(out.rows, self.kv.block_table)
@@ -244,7 +241,7 @@ class LLMEngine:
         outputs = []
         for req in updated:
             rid = req.request_id
-            m = self._metrics[rid]
+            m = req.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             if rid in lp_by_req:
@@ -254,7 +251,7 @@ class LLMEngine:
             # scheduler saw in the same token (the length cap): the text was cut at the string.
             by_token = req.status == RequestStatus.FINISHED_STOPPED
             keep = not by_token or req.sampling_params.include_stop_str_in_output
-            stop = self._detok[rid].update(req.output_token_ids[-1:] if keep else [], final=req.is_finished)
+            stop = req.detok.update(req.output_token_ids[-1:] if keep else [], final=req.is_finished)
             if stop is not None:
                 req.stop_reason = stop
                 if req.is_finished:
@@ -270,7 +267,7 @@ class LLMEngine:
         and logprobs (per-step work proportional to them), CUMULATIVE and FINAL_ONLY everything so far."""
         rid = req.request_id
         finished = req.is_finished
-        detok = self._detok[rid]
+        detok = req.detok
         delta = detok.get_delta(finished)
         kind = req.sampling_params.output_kind
         cumulative = kind != RequestOutputKind.DELTA
@@ -281,16 +278,13 @@ class LLMEngine:
             for entry in fresh:
                 for tok, lp in entry.items():
                     lp.decoded_token = self.tokenizer.decode([tok])
-        metrics = self._metrics[rid]
-        prompt = self._prompts.get(rid)
+        metrics = req.metrics
         if finished:
             metrics.finished_time = time.monotonic()
-            for d in (self._detok, self._metrics, self._prompts):
-                d.pop(rid, None)
         comp = CompletionOutput(0, detok.released_text if cumulative else delta,
                                 list(req.output_token_ids) if cumulative else new_ids, None, logprobs,
                                 req.status.finish_reason, req.stop_reason, delta, new_ids)
-        return RequestOutput(rid, prompt, req.prompt_token_ids, [comp], finished,
+        return RequestOutput(rid, req.prompt_text, req.prompt_token_ids, [comp], finished,
                              max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out)
 
     def check_invariants(self) -> None:

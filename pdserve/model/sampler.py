@@ -149,17 +149,20 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         probs = filtered_probs(logits, reqs)
         # Uniform draws, made exponential below in one pass: torch.rand is ~7x exponential_ on CPU.
-        u = torch.empty_like(probs)
         seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
-        if len(seeded) < len(reqs):
-            free = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
-            u[free] = torch.rand(len(free), probs.shape[-1], generator=self.generator, dtype=probs.dtype,
-                                 device=probs.device)
-        for i in seeded:
+        free = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
+        if not seeded:
+            u = torch.rand(probs.shape, generator=self.generator, dtype=probs.dtype, device=probs.device)
+        else:
+            u = torch.empty_like(probs)
+            if free:
+                u[free] = torch.rand(len(free), probs.shape[-1], generator=self.generator, dtype=probs.dtype,
+                                     device=probs.device)
+        for i in seeded:  # each seeded row from its own generator, straight into its row
             r = reqs[i]
             if r.generator is None:
                 r.generator = torch.Generator(probs.device).manual_seed(r.sampling_params.seed)
-            u[i] = torch.rand(probs.shape[-1], generator=r.generator, dtype=probs.dtype, device=probs.device)
+            u[i].uniform_(generator=r.generator)
         # E = -log(u) ~ Exp(1); u = 0 gives E = inf, a token that cannot win (p / E = 0): never a NaN.
         return (probs / u.log_().neg_()).argmax(dim=-1)
 
@@ -180,7 +183,8 @@ def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     logits = logits / temp[:, None]
     rows = [i for i, sp in enumerate(sps) if 0 < sp.top_k < vocab or sp.top_p < 1.0]
     if rows:
-        srt = _sort_desc(logits[rows])
+        every = len(rows) == len(sps)  # the common case: no row indexing, the cut in place
+        srt = _sort_desc(logits if every else logits[rows])
         k = torch.tensor([sps[i].top_k if 0 < sps[i].top_k < vocab else vocab for i in rows], device=dev)
         kth = srt.gather(1, (k - 1)[:, None])
         srt = srt.masked_fill(srt < kth, float("-inf"))
@@ -190,7 +194,10 @@ def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         keep = ((p.cumsum(-1) - p) < top_p[:, None]).sum(-1, keepdim=True).clamp_(min=1)
         keep = torch.where(top_p[:, None] >= 1.0, k[:, None], keep)  # top-k only: no float cumsum cuts its tail
         threshold = torch.maximum(kth, srt.gather(1, keep - 1))  # top-p past what top-k kept reads -inf
-        logits[rows] = logits[rows].masked_fill(logits[rows] < threshold, float("-inf"))
+        if every:
+            logits.masked_fill_(logits < threshold, float("-inf"))
+        else:
+            logits[rows] = logits[rows].masked_fill(logits[rows] < threshold, float("-inf"))
     probs = logits.softmax(dim=-1)
     min_p = torch.tensor([sp.min_p for sp in sps], device=dev, dtype=probs.dtype)
     if bool((min_p > 0).any()):

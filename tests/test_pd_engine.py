@@ -183,6 +183,28 @@ def test_trickling_producer_hits_overall_deadline(qwen3_tiny, collocated):
     d.engine.shutdown()
 
 
+def step_both(p, d, deadline=30.0, each=None) -> dict:
+    """Steps P (it serves renewals, and frees leases in its own steps) and D until D is idle: D's finished outputs.
+    `each(seconds so far, outputs so far)` runs before every D step."""
+    done, t0 = {}, time.monotonic()
+    while d.engine.has_unfinished_requests():
+        assert time.monotonic() - t0 < deadline, "D did not finish"
+        p.engine.step()
+        if each is not None:
+            each(time.monotonic() - t0, done)
+        done.update({o.request_id: o for o in d.engine.step() if o.finished})
+    return done
+
+
+def assert_pulled(p, d, out, want) -> None:
+    """`out` has the collocated tokens from KV D pulled (not prefilled), no lease expired, both pools whole."""
+    assert out.outputs[0].token_ids == want
+    assert d.engine.connector.stats.bytes_received > 0
+    drain(p, deadline=5)
+    assert p.engine.connector.stats.failures["lease_expired"] == 0
+    assert_whole(p, d)
+
+
 def short_of_blocks(d, monkeypatch, until):
     """D's pool refuses every allocation while `until()` holds (a momentary shortage)."""
     kv = d.engine.scheduler.kv
@@ -237,16 +259,7 @@ def test_waiting_consumer_renews_the_lease(qwen3_tiny, collocated, monkeypatch):
         short_of_blocks(d, monkeypatch, lambda: time.monotonic() < t_end)
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         d.engine.add_request(PROMPTS[3], sp, request_id="d0", kv_transfer_params=params[0])
-        done = {}
-        while d.engine.has_unfinished_requests():
-            assert time.monotonic() - t_end < 10
-            p.engine.step()  # P serves the renewals (it frees leases in its own steps)
-            done.update({o.request_id: o for o in d.engine.step() if o.finished})
-        assert done["d0"].outputs[0].token_ids == collocated[3]
-        assert d.engine.connector.stats.bytes_received > 0
-        drain(p, deadline=5)
-        assert p.engine.connector.stats.failures["lease_expired"] == 0
-        assert_whole(p, d)
+        assert_pulled(p, d, step_both(p, d)["d0"], collocated[3])
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
@@ -588,18 +601,11 @@ def test_lease_renewed_for_requests_queued_behind_others(qwen3_tiny, collocated)
         d.engine.step()
         d.engine.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                              request_id="d0", kv_transfer_params=params[0])
-        done, t0 = {}, time.monotonic()
-        while d.engine.has_unfinished_requests():
-            assert time.monotonic() - t0 < 30
-            p.engine.step()
-            if time.monotonic() - t0 > 1.5 and "busy" not in done:
+        def free_the_seat(elapsed, done):
+            if elapsed > 1.5 and "busy" not in done:
                 d.engine.abort_request("busy")
-            done.update({o.request_id: o for o in d.engine.step() if o.finished})
-        assert done["d0"].outputs[0].token_ids == collocated[3]
-        assert d.engine.connector.stats.bytes_received > 0
-        drain(p, deadline=5)
-        assert p.engine.connector.stats.failures["lease_expired"] == 0
-        assert_whole(p, d)
+
+        assert_pulled(p, d, step_both(p, d, each=free_the_seat)["d0"], collocated[3])
     finally:
         p.engine.shutdown()
         d.engine.shutdown()

@@ -187,7 +187,7 @@ def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         srt = _sort_desc(logits if every else logits[rows])
         k = torch.tensor([sps[i].top_k if 0 < sps[i].top_k < vocab else vocab for i in rows], device=dev)
         kth = srt.gather(1, (k - 1)[:, None])
-        srt = srt.masked_fill(srt < kth, float("-inf"))
+        srt = _cut_below(srt, kth)
         p = srt.softmax(-1)
         top_p = torch.tensor([sps[i].top_p for i in rows], device=dev, dtype=p.dtype)
         # The first token always stays (also on a row with no finite logit, where no mass ever reaches top_p).
@@ -195,14 +195,20 @@ def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         keep = torch.where(top_p[:, None] >= 1.0, k[:, None], keep)  # top-k only: no float cumsum cuts its tail
         threshold = torch.maximum(kth, srt.gather(1, keep - 1))  # top-p past what top-k kept reads -inf
         if every:
-            logits.masked_fill_(logits < threshold, float("-inf"))
+            logits = _cut_below(logits, threshold)
         else:
-            logits[rows] = logits[rows].masked_fill(logits[rows] < threshold, float("-inf"))
+            logits[rows] = _cut_below(logits[rows], threshold)
     probs = logits.softmax(dim=-1)
     min_p = torch.tensor([sp.min_p for sp in sps], device=dev, dtype=probs.dtype)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     return probs
+
+
+def _cut_below(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """`x` with each value below its row's threshold sent to the dtype's lowest finite value (its probability is
+    exactly 0, as for -inf; kept values are unchanged): masked_fill and where ran ~30x an add on CPU here."""
+    return x - (x < threshold).to(x.dtype) * torch.finfo(x.dtype).max
 
 
 def _sort_desc(x: torch.Tensor) -> torch.Tensor:

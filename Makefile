@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1  # NixlConnector (its torch dependency: see pyproject)
 	touch $@
 
 install: $(VENV)/.installed

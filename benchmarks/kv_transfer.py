@@ -4,15 +4,20 @@
 
 Transport. The producer engine (P) runs in this process and a consumer engine (D) in a child process, as in a
 deployment. For 1, 16 and 256 blocks of the small model (384 KiB a block), D pulls a lease of that many blocks
-through its real load path (connect, handshake, authenticated frames of up to 64 blocks received into its own
-blocks, `done`), timed by D from connect to `done`; blocks with ascending ids on both sides (a fresh pool), then at
-16 and 256 blocks "scattered" (shuffled ids on both sides, as in a long-running server: one 16 KiB view per block,
-layer and K/V instead of one per layer and K/V). Two baselines, alternating with it, move the same number of bytes
-between the same two processes over a plain loopback socket with the same socket options, timed the same way:
+through its real load path (a session from its pool, authenticated frames of up to 64 blocks received into its own
+blocks, the last read also saying `done`), timed by D from asking its pool for a session until the last frame is
+verified. D keeps its sessions to P, so these pulls are warm: over a session an earlier pull opened (each one
+asserts it dialed nothing). Each rep first times a cold pull, with D's pool emptied (connect, handshake, then the
+same pull), reported apart as `cold_ms` and `cold_ratio`. Blocks have ascending ids on both sides (a fresh pool),
+then at 16 and 256 blocks "scattered" (shuffled ids on both sides, as in a long-running server: one 16 KiB view per
+block, layer and K/V instead of one per layer and K/V). Two baselines, alternating with it, move the same number of
+bytes between the same two processes over a plain loopback socket with the same socket options, timed the same way
+(from D's connect, so each pays the one round trip before its bytes flow that a warm pull pays with its request):
 `plain` sends frame-sized chunks from a ready buffer into a reused one (the socket's speed; the buffers stay in
 cache), `plain_blocks` sends the lease's blocks themselves into D's blocks (a transport with no framing or
-authentication: same bytes, same memory). At 256 ascending blocks also the same pull over TLS (a second KV server
-on P with a self-signed cert, a consumer trusting it). Median of --reps each.
+authentication: same bytes, same memory); `ratio` is plain's time over the pull's. At 256 ascending blocks also the
+same pull over TLS (a second KV server on P with a self-signed cert, a consumer trusting it), warm too. Median of
+--reps each.
 
 P's step slowdown. On 2 cores a reader competes with P for CPU, and its work (receive, verify, write into D's
 blocks) is D's, not P's: so P runs on core 0 with 1 torch thread and D on core 1. P's KV server threads share P's
@@ -46,7 +51,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.model.make_model import ensure_model
 from pdserve.transfer.base import LoadJob
 from pdserve.transfer.protocol import _move, client_handshake, tune
-from pdserve.transfer.tcp import BLOCKS_PER_READ, Lease, TcpConnector
+from pdserve.transfer.tcp import BLOCKS_PER_READ, TcpConnector
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,19 +137,21 @@ def consumer_main(model: str, conn) -> None:
             tls = TcpConnector(KVTransferConfig.from_dict({**KV, "kv_role": "kv_consumer", "kv_tls_ca": args[0]}),
                                d.engine)
             tls.register_kv_caches(d.engine.runner.kv_caches)
-        elif cmd == "pull":  # (params, number of blocks, over TLS, scattered) -> (seconds, bytes)
-            params, n, over_tls, scattered = args
+        elif cmd == "pull":  # (params, number of blocks, over TLS, scattered, cold) -> (seconds, bytes, handshakes)
+            params, n, over_tls, scattered, cold = args
             c, dst = tls if over_tls else dc, take(pool, n, scattered)
-            before, t0 = c.stats.bytes_received, time.perf_counter()
-            c._pull(LoadJob("bench", params, 0, dst))
+            if cold:
+                c.pool.drop()
+            before, dialed, t0 = c.stats.bytes_received, c.pool.handshakes, time.perf_counter()
+            c.consumer._pull(LoadJob("bench", params, 0, dst), time.monotonic())
             dt = time.perf_counter() - t0
             ok = c.get_finished().done_recving == {"bench"}
             give(pool, dst)
-            conn.send((dt, c.stats.bytes_received - before) if ok else (None, 0))
+            conn.send((dt, c.stats.bytes_received - before, c.pool.handshakes - dialed) if ok else (None, 0, 0))
         elif cmd == "plain":  # (port, bytes, chunk, number of blocks or 0, scattered) -> seconds
             port, nbytes, chunk, n, scattered = args
             dst, buf = take(pool, n, scattered), memoryview(bytearray(chunk))
-            frames = [dc._views(dst[i:i + BLOCKS_PER_READ]) for i in range(0, n, BLOCKS_PER_READ)] if n else \
+            frames = [dc.blocks.views(dst[i:i + BLOCKS_PER_READ]) for i in range(0, n, BLOCKS_PER_READ)] if n else \
                 [[buf[:min(chunk, nbytes - i)]] for i in range(0, nbytes, chunk)]
             t0 = time.perf_counter()
             with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -165,7 +172,7 @@ def consumer_main(model: str, conn) -> None:
                         blocks = dst[start:start + BLOCKS_PER_READ]
                         session.send({"op": "read", "transfer_id": params["transfer_id"], "start": start,
                                       "count": len(blocks)})
-                        session.recv(into=dc._views(blocks))
+                        session.recv(into=dc.blocks.views(blocks))
                     reads += 1
             conn.recv()
             give(pool, dst)
@@ -193,29 +200,35 @@ class Bench:
 
     def lease(self, n: int, seconds: float = 60.0, pc=None, scattered: bool = False) -> dict:
         pc, src = pc or self.pc, take(self.p.engine.kv.pool, n, scattered)
-        tid = f"bench-{n}-{time.monotonic_ns()}"
-        with pc._lock:
-            pc.leases[tid] = Lease("bench", src, time.monotonic() + seconds)
+        tid = pc.lease_table.open("bench", src)
+        pc.leases[tid].expiry = time.monotonic() + seconds
         return {"transfer_id": tid, "remote_host": "127.0.0.1", "remote_port": pc.port, "src": src, "pc": pc}
 
     def end_lease(self, params: dict) -> None:
-        with params["pc"]._lock:
-            params["pc"].leases.pop(params["transfer_id"], None)
+        table, tid = params["pc"].lease_table, params["transfer_id"]
+        while True:  # gone without a trace (the engine never made these leases, so it must not free them), once
+            with table._lock:  # P's server thread has unpinned it: D may have its bytes before P is done sending
+                if table.leases.get(tid) is None or table.leases[tid].pins == 0:
+                    table.leases.pop(tid, None)
+                    break
+            time.sleep(1e-4)
         give(self.p.engine.kv.pool, params["src"])
 
-    def pull(self, n: int, over_tls: bool = False, scattered: bool = False) -> tuple[float, int]:
+    def pull(self, n: int, over_tls: bool = False, scattered: bool = False, cold: bool = False) -> tuple[float, int]:
         params = self.lease(n, pc=self.tls if over_tls else None, scattered=scattered)
-        self.conn.send(("pull", {k: v for k, v in params.items() if k not in ("src", "pc")}, n, over_tls, scattered))
-        dt, nbytes = self.conn.recv()
+        self.conn.send(("pull", {k: v for k, v in params.items() if k not in ("src", "pc")}, n, over_tls, scattered,
+                        cold))
+        dt, nbytes, dialed = self.conn.recv()
         self.end_lease(params)
         assert dt is not None, "transfer failed"
+        assert dialed == int(cold), f"a {'cold' if cold else 'warm'} pull dialed {dialed} session(s)"
         return dt, nbytes
 
     def plain(self, nbytes: int, chunk: int, n: int, scattered: bool = False) -> float:
         """A plain copy of `nbytes`: from n leased blocks into n of D's blocks if n, else buffer to buffer."""
         srv, buf = socket.create_server(("127.0.0.1", 0)), memoryview(bytes(chunk))
         src = self.lease(n, scattered=scattered) if n else None
-        frames = [self.pc._views(src["src"][i:i + BLOCKS_PER_READ]) for i in range(0, n, BLOCKS_PER_READ)] if n \
+        frames = [self.pc.blocks.views(src["src"][i:i + BLOCKS_PER_READ]) for i in range(0, n, BLOCKS_PER_READ)] if n \
             else [[buf[:min(chunk, nbytes - i)]] for i in range(0, nbytes, chunk)]
 
         def send():
@@ -236,19 +249,23 @@ class Bench:
         return dt
 
     def transport(self, n: int, reps: int, scattered: bool = False) -> dict:
-        tcp, plain, blocks, tls = [], [], [], []
+        tcp, plain, blocks, tls, cold = [], [], [], [], []
         for _ in range(reps):  # alternating, so drift hits all alike
+            cold.append(self.pull(n, scattered=scattered, cold=True)[0])
             tcp.append(self.pull(n, scattered=scattered))
             nbytes = tcp[-1][1]
             plain.append(self.plain(nbytes, nbytes // n * min(n, BLOCKS_PER_READ), 0))
             blocks.append(self.plain(nbytes, 0, n, scattered))
             if n == 256 and not scattered:
+                if not tls:  # its session opened first: TLS is timed warm too
+                    self.pull(n, over_tls=True, cold=True)
                 tls.append(self.pull(n, over_tls=True)[0])
         t_tcp, t_plain, t_blocks = (statistics.median(x) for x in ([t for t, _ in tcp], plain, blocks))
         row = {"blocks": n, "scattered": scattered, "bytes": nbytes, "tcp_gbps": nbytes / t_tcp / 1e9,
                "plain_gbps": nbytes / t_plain / 1e9,
                "plain_blocks_gbps": nbytes / t_blocks / 1e9, "ratio": t_plain / t_tcp,
-               "ratio_to_plain_blocks": t_blocks / t_tcp}
+               "ratio_to_plain_blocks": t_blocks / t_tcp, "cold_ms": statistics.median(cold) * 1e3,
+               "cold_ratio": t_plain / statistics.median(cold)}
         if tls:
             row["tls_gbps"] = nbytes / statistics.median(tls) / 1e9
         return row
@@ -277,11 +294,10 @@ class Bench:
                 if not (o.finished and kp):
                     continue
                 if mode == "pulled":
-                    self.conn.send(("pull", kp, len(kp["remote_block_ids"]), False, False))
+                    self.conn.send(("pull", kp, len(kp["remote_block_ids"]), False, False, False))
                     pulls += 1
                 else:
-                    with self.pc._lock:
-                        self.pc.leases[kp["transfer_id"]].done = True
+                    self.pc.lease_table.confirm(kp["transfer_id"])
         cpu, served = time.process_time() - time.thread_time() - cpu0, self.pc.stats.bytes_sent - sent0
         pull_s = [self.conn.recv()[0] for _ in range(pulls)]  # D's pull times: P's server is niced, P computes
         if stress:
@@ -318,14 +334,14 @@ def main() -> None:
     try:
         rows = []
         log(f"{'blocks':>6} {'MB':>8} {'tcp GB/s':>9} {'plain GB/s':>10} {'ratio':>6} {'plain_blocks':>12} "
-            f"{'ratio':>6}")
+            f"{'ratio':>6} {'cold ms':>8} {'ratio':>6}")
         for n, scattered in ((1, False), (16, False), (256, False), (16, True), (256, True)):
             b.transport(n, 2, scattered)  # warm-up
             row = run(lambda: b.transport(n, args.reps, scattered))
             rows.append(row)
             log(f"{n:>6}{'s' if scattered else ' '} {row['bytes'] / 1e6:>7.2f} {row['tcp_gbps']:>9.2f} "
                 f"{row['plain_gbps']:>10.2f} {row['ratio']:>6.2f} {row['plain_blocks_gbps']:>12.2f} "
-                f"{row['ratio_to_plain_blocks']:>6.2f}   "
+                f"{row['ratio_to_plain_blocks']:>6.2f} {row['cold_ms']:>8.2f} {row['cold_ratio']:>6.2f}   "
                 f"(load {row['loadavg_1m_before']:.2f}, others {row['other_cores_during']})"
                 + (f"; over TLS {row['tls_gbps']:.2f} GB/s" if "tls_gbps" in row else ""))
         pin({0})

@@ -84,7 +84,7 @@ class CompilationConfig:
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 # Connectors that move prompt KV between a prefill and a decode node. DecodeBenchConnector is the D-side arrival
 # driver: it fills the KV of arriving requests with a local prefill pass, standing in for a producer.
-PD_CONNECTORS = ("TcpConnector", "DecodeBenchConnector")
+PD_CONNECTORS = ("TcpConnector", "NixlConnector", "DecodeBenchConnector")
 KNOWN_CONNECTORS = PD_CONNECTORS + ("MultiConnector",)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -105,7 +105,7 @@ class RouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(self.port), "--prefill", *prefill,
-               "--decode", *decode, "--kv-auth-token", KV_TOKEN, "--health-interval", "0.3", *args]
+               "--decode", *decode, "--health-interval", "0.3", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=_die_with_parent)
 

@@ -46,12 +46,41 @@ def test_payload_views_round_trip():
     assert header == {"status": "ok"} and got == into and (dst == src).all()
 
 
-@pytest.mark.parametrize("where", [9, 14, 100, -1])  # header length, header, payload, tag
-def test_altered_frame_fails(where):
-    raw = bytearray(frame_bytes({"status": "ok"}, bytes(range(256)) * 4))
+@pytest.mark.parametrize("payload", [bytes(range(256)) * 4, b""], ids=["payload", "control"])
+@pytest.mark.parametrize("where", [9, 14, 30, -1])  # header length, header, payload (or tag), tag
+def test_altered_frame_fails(where, payload):
+    raw = bytearray(frame_bytes({"status": "ok"}, payload))
     raw[where] ^= 1
     with pytest.raises(ProtocolError):
         consumer_reading(bytes(raw)).recv()
+
+
+def test_groups_cover_the_payload_in_order_with_short_ends():
+    """Both ends tag group by group: every byte once, in order, no group over GROUP bytes, the first and the last of
+    TAIL bytes."""
+    from pdserve.transfer.protocol import TAIL, _groups
+    buf = np.arange(5 * GROUP + 12345, dtype=np.uint64).view(np.uint8)
+    cuts = [0, 7, GROUP - 3, 2 * GROUP, 4 * GROUP + 1, buf.nbytes - TAIL // 2, buf.nbytes]
+    views = [buf[a:b] for a, b in zip(cuts, cuts[1:])]
+    groups = list(_groups(views))
+    assert np.array_equal(np.concatenate([p for g in groups for p in g]), buf)
+    sizes = [sum(p.nbytes for p in g) for g in groups]
+    assert sizes[0] == sizes[-1] == TAIL and max(sizes) == GROUP
+    assert [sum(p.nbytes for p in g) for g in _groups([buf[:100]])] == [100]
+
+
+def test_control_and_payload_frames_share_one_counter():
+    """A session's frames, with and without payload (tagged in one call or streamed), follow one sequence: read in
+    order they verify; the same frames out of order do not."""
+    frames = [frame_bytes({"n": 0}, seq=0), frame_bytes({"n": 1}, bytes(3000), seq=1),
+              frame_bytes({"n": 2}, seq=2)]
+    d = consumer_reading(*frames)
+    assert [d.recv(into=[memoryview(bytearray(3000))] if i == 1 else [])[0] for i in range(3)] == \
+        [{"n": 0}, {"n": 1}, {"n": 2}]
+    d = consumer_reading(frames[0], frames[2])
+    assert d.recv()[0] == {"n": 0}
+    with pytest.raises(ProtocolError, match="authentication"):
+        d.recv()  # frame 2 where frame 1 belongs
 
 
 LENGTH_TAMPERS = {"bigger": lambda n: n + 1, "much-bigger": lambda n: n + 4096, "smaller": lambda n: n - 1,

@@ -45,8 +45,7 @@ def prefill_on(p, prompts) -> list[dict]:
     fin = {}
     while p.engine.scheduler.has_unfinished():
         fin.update({o.request_id: o for o in p.engine.step() if o.finished})
-    params = [fin[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
-    return [sign_params(kp, "secret") if kp else None for kp in params]  # what the router does
+    return [fin[f"p{i}"].kv_transfer_params for i in range(len(prompts))]  # signed by P, relayed as they are
 
 
 def decode_on(d, prompts, params, max_tokens=16) -> dict:
@@ -60,8 +59,9 @@ def params_for_peer(d, prompt, port) -> dict:
     """Signed remote-prefill params that send D to a local peer of the test's making."""
     from pdserve.transfer.tcp import prompt_hash
     ids = d.get_tokenizer()(prompt).input_ids
-    return sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
-                        "remote_port": port, "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids)}, "secret")
+    return sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "p",
+                        "remote_host": "127.0.0.1", "remote_port": port, "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids),
+                        "lease_seconds": 30.0}, "secret")
 
 
 def expire_leases(p):
@@ -214,21 +214,26 @@ def short_of_blocks(d, monkeypatch, until):
 
 @pytest.mark.parametrize("why", ["lease_ran_out", "hash_mismatch"])
 def test_local_fallback_releases_producer_lease_at_once(pd, collocated, why, monkeypatch):
-    """D prefills locally (blocks short until the lease it was told of ran out, or params it rejects): P still hears
-    `done` and frees the lease at once, not at expiry (30 s); a bare `done` is no failed load."""
+    """D does not load P's KV (blocks short until the lease it was told of ran out, or params for another prompt,
+    refused): P still hears `done` and frees the lease at once, not at expiry (30 s); a bare `done` is no failed
+    load."""
     p, d = pd
     params = prefill_on(p, PROMPTS[2:3])
-    if why == "hash_mismatch":
+    if why == "hash_mismatch":  # refused at admission (the server's 400); the engine loop then releases the lease
         params[0] = sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")
+        with pytest.raises(ValueError, match="another prompt"):
+            decode_on(d, PROMPTS[2:3], params)
+        assert d.engine.release_remote_kv(params[0], "d0")
+        drain(d, deadline=5)
     else:
         params[0] = sign_params({**params[0], "lease_seconds": 0.2}, "secret")  # P's own lease is 30 s...
         monkeypatch.setattr(p.engine.connector, "_renew", lambda tid: 0.0)  # ...but it will not renew it
         t_end = time.monotonic() + 0.5
         short_of_blocks(d, monkeypatch, lambda: time.monotonic() < t_end)
-    out = decode_on(d, PROMPTS[2:3], params)
-    assert out[0].outputs[0].token_ids == collocated[2]
+        out = decode_on(d, PROMPTS[2:3], params)
+        assert out[0].outputs[0].token_ids == collocated[2]
     assert d.engine.connector.stats.bytes_received == 0
-    assert d.engine.connector.stats.failures == ({"rejected": 1} if why == "hash_mismatch" else {})
+    assert d.engine.connector.stats.failures == {}
     drain(p, deadline=5)
     assert p.engine.connector.stats.failures["lease_expired"] == 0
     assert_whole(p, d)
@@ -351,23 +356,29 @@ def test_unsigned_or_tampered_params_rejected(pd):
     p, d = pd
     params = prefill_on(p, PROMPTS[2:3])
     sp = SamplingParams(max_tokens=2)
-    unsigned = {k: v for k, v in params[0].items() if k != "router_proof"}
-    with pytest.raises(ValueError, match="router proof"):
+    unsigned = {k: v for k, v in params[0].items() if k != "kv_proof"}
+    with pytest.raises(ValueError, match="proof does not verify"):
         d.engine.add_request(PROMPTS[2], sp, kv_transfer_params=unsigned)
-    with pytest.raises(ValueError, match="router proof"):  # pointed elsewhere after signing
+    with pytest.raises(ValueError, match="proof does not verify"):  # pointed elsewhere after signing
         d.engine.add_request(PROMPTS[2], sp, kv_transfer_params={**params[0], "remote_port": 1})
     expire_leases(p)
     drain(p)
     assert_whole(p, d)
 
 
-def test_forged_prompt_hash_never_splices(pd, collocated):
+def test_params_for_another_prompt_refused(pd):
+    """P's own params sent with another prompt, or re-signed with a forged hash, are refused before any read."""
     p, d = pd
     params = prefill_on(p, PROMPTS[2:3])
-    params[0] = sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")
-    out = decode_on(d, PROMPTS[2:3], params)
-    assert out[0].outputs[0].token_ids == collocated[2]
-    assert d.engine.connector.stats.bytes_received == 0  # rejected before any read
+    sp = SamplingParams(max_tokens=2)
+    for kp in (params[0], sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")):
+        prompt = PROMPTS[3] if kp is params[0] else PROMPTS[2]
+        with pytest.raises(ValueError, match="another prompt"):
+            d.engine.add_request(prompt, sp, kv_transfer_params=kp)
+    assert d.engine.connector.stats.bytes_received == 0
+    expire_leases(p)
+    drain(p)
+    assert_whole(p, d)
 
 
 def flipping_proxy(port: int, at: int) -> socket.socket:

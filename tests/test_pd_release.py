@@ -141,7 +141,7 @@ def prefilled(dep, prompt: str = PROMPT) -> dict:
         "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 200, r.text
     assert leased(dep) > 0
-    return sign_params(r.json()["kv_transfer_params"], KV_TOKEN)
+    return r.json()["kv_transfer_params"]  # signed by P
 
 
 def release(dep, params, url=None) -> httpx.Response:
@@ -209,7 +209,8 @@ def test_forged_params_dial_nothing_release_nothing(dep):
     prompt = list(range(200, 240))
     fake = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "f" * 32, "remote_engine_id": "P",
             "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": dep["trap_port"],
-            "remote_block_ids": [1, 2, 3], "num_prompt_tokens": len(prompt), "prompt_hash": prompt_hash(prompt)}
+            "remote_block_ids": [1, 2, 3], "num_prompt_tokens": len(prompt), "prompt_hash": prompt_hash(prompt),
+            "lease_seconds": 30.0}
     outsider = socket.create_server(("127.0.0.1", 0))
     signed_outside = sign_params({**fake, "remote_port": outsider.getsockname()[1]}, KV_TOKEN)
 

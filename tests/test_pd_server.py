@@ -105,7 +105,7 @@ def test_forged_params_straight_to_d_get_400(deployment):
               "num_prompt_tokens": 3, "prompt_hash": "0" * 64}
     r = httpx.post(d.url + "/v1/completions", json={"model": "qwen3-tiny-s0", "prompt": "abc", "max_tokens": 2,
                                                    "kv_transfer_params": forged}, timeout=30)
-    assert r.status_code == 400 and "router proof" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "proof does not verify" in r.json()["error"]["message"]
     c = deployment["C"]
     r = httpx.post(c.url + "/v1/completions", json={"model": "qwen3-tiny-s0", "prompt": "abc", "max_tokens": 2,
                                                    "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)

@@ -1,4 +1,5 @@
-"""Deployments on loopback for `bench pd`: a collocated server, or router + 1 P + 1 D, as child processes.
+"""Deployments on loopback for `bench pd`: a collocated server, or router + 1 P + 1 D, as child processes (the router
+pdserve's, or vLLM's `vllm-router` in its P/D mode).
 
 Each child leads its own process group (teardown ends it and anything it started by group id) and, on Linux, gets
 SIGTERM if the orchestrator dies without cleaning up (PR_SET_PDEATHSIG): children never outlive the bench.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -65,10 +68,12 @@ class Deployment:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
     url: str = ""
+    decode_urls: list[str] = field(default_factory=list)
 
-    def spawn(self, name: str, args: list[str], port: int, env: dict) -> str:
+    def spawn(self, name: str, args: list[str], port: int, env: dict, program: Optional[list[str]] = None) -> str:
+        """Start `pdserve <args>` (or `program <args>`) on `port`; returns its URL."""
         log_path = self.log_dir / f"{self.arm}-{name}.log"
-        cmd = [sys.executable, "-m", "pdserve.cli", *args, "--port", str(port)]
+        cmd = [*(program or [sys.executable, "-m", "pdserve.cli"]), *args, "--port", str(port)]
         with log_path.open("w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=_die_with_parent, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
@@ -129,9 +134,16 @@ class Deployment:
         return killed
 
 
-def launch(dep: Deployment, model: str, server_args: list[str], token: str) -> None:
-    """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`).
-    Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
+def vllm_router_program() -> Optional[str]:
+    """The `vllm-router` executable (beside this Python's, or on PATH), or None."""
+    here = Path(sys.executable).parent / "vllm-router"
+    return str(here) if os.access(here, os.X_OK) else shutil.which("vllm-router")
+
+
+def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve") -> None:
+    """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`)
+    behind `router` (pdserve, or vllm-router). Children are added to `dep` as they start, so a teardown mid-launch
+    still finds them."""
     arm = dep.arm
     env = {"PDSERVE_KV_TOKEN": token}  # via the environment: never on a command line others can read
     serve = ["serve", model, *server_args]
@@ -149,5 +161,12 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str) -> N
     rule = [] if arm == "default" else ["--full-graph-rule", arm]
     p = dep.spawn("prefill", [*serve, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
     d = dep.spawn("decode", [*serve, *rule, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
+    dep.decode_urls = [d]
+    if router == "vllm-router":  # P/D mode: P's params relayed verbatim; it waits for both nodes' /health itself
+        args = ["--vllm-pd-disaggregation", "--prefill", p, "none", "--decode", d, "--host", "127.0.0.1",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--worker-startup-check-interval", "1", "--log-level", "warning"]
+        dep.url = dep.spawn("vllm-router", args, free_port(), env, program=[vllm_router_program()])
+        return
     dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--log-level", "warning"], free_port(),
                         env)

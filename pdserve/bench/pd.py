@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.launcher import Deployment, launch
+from pdserve.bench.launcher import Deployment, launch, vllm_router_program
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
@@ -43,6 +43,9 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="Arrival gamma shape, as bench serve (default: 1).")
     p.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: 0).")
     p.add_argument("--warmup", type=int, default=2, help="Unmeasured requests before each arm's sweep (default: 2).")
+    p.add_argument("--router", choices=("pdserve", "vllm-router"), default="pdserve",
+                   help="The router in front of each 1P1D arm: pdserve's, or vLLM's vllm-router in its P/D mode "
+                        "(pip install vllm-router==0.1.17; default: pdserve).")
     p.add_argument("--server-args", default="", metavar="ARGS",
                    help="Extra flags for every `pdserve serve` (one string, e.g. '--max-num-seqs 64').")
     p.add_argument("--result-dir", default="bench-results/pd", help="Where runs, summary and plot go "
@@ -69,6 +72,9 @@ def _parse(args) -> tuple[list[str], list[float]]:
     if args.warmup < 0 or not 0 <= args.random_range_ratio < 1:
         raise ValueError("--warmup must be >= 0" if args.warmup < 0 else "--random-range-ratio must be in [0, 1)")
     arrival_offsets(1, 1.0, args.burstiness)  # raises naming --burstiness
+    if args.router == "vllm-router" and vllm_router_program() is None:
+        raise ValueError("--router vllm-router: the vllm-router executable is not installed "
+                         "(pip install vllm-router==0.1.17)")
     try:
         args.server_args = shlex.split(args.server_args)
     except ValueError as e:
@@ -76,11 +82,12 @@ def _parse(args) -> tuple[list[str], list[float]]:
     return arms, rates
 
 
-def _serve_args(args, url: str, model: str, rate: float, seed: int, warmup: int, save: Path) -> argparse.Namespace:
+def _serve_args(args, dep, model: str, rate: float, seed: int, warmup: int, save: Path) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_bench_serve_args(p)
     ns = p.parse_args([])  # bench serve's defaults, then this sweep point's values
-    ns.__dict__.update(base_url=url, tokenizer=model, num_prompts=args.num_prompts, request_rate=rate, seed=seed,
+    ns.__dict__.update(base_url=dep.url, metrics_url=dep.decode_urls or None, tokenizer=model,
+                       num_prompts=args.num_prompts, request_rate=rate, seed=seed,
                        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
                        random_range_ratio=args.random_range_ratio, burstiness=args.burstiness, warmup=warmup,
                        ignore_eos=True, save_result=str(save), disable_tqdm=args.disable_tqdm)
@@ -120,14 +127,14 @@ def run_bench_pd(args) -> int:
             t0 = time.monotonic()
             print(f"[bench pd] {arm}: starting", flush=True)
             dep = Deployment(arm, out / "logs")  # before any spawn: the finally sees every child started
-            launch(dep, model, args.server_args, token)
+            launch(dep, model, args.server_args, token, args.router)
             dep.wait_healthy(args.ready_timeout)
             print(f"[bench pd] {arm}: healthy in {time.monotonic() - t0:.1f} s ({dep.url})", flush=True)
             for i, rate in enumerate(rates):
                 # Fresh prompts at every rate (and for the warm-up): a prompt seen before would be a prefix-cache
                 # hit, and its TTFT, transfer and graph steps would not be comparable with the first rate's.
                 save = out / f"{arm}_rate{rate:g}.json"
-                result = run_bench_serve(_serve_args(args, dep.url, model, rate, args.seed + 1000 * i,
+                result = run_bench_serve(_serve_args(args, dep, model, rate, args.seed + 1000 * i,
                                                      args.warmup if i == 0 else 0, save), quiet=True)
                 rows.append(_row(arm, rate, result))
                 split = result.get("router_ttft_split_ms") or {}

@@ -64,6 +64,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Bearer token for the target (default: $OPENAI_API_KEY).")
     p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds before a request fails "
                                                                         "(default: 600).")
+    p.add_argument("--metrics-url", nargs="+", default=None, metavar="URL",
+                   help="pdserve nodes whose /metrics give the decode-graph share (default: the decode nodes a "
+                        "pdserve router lists at /nodes, else --base-url): for a router that lists none, e.g. "
+                        "vllm-router, name the decode nodes.")
     p.add_argument("--save-result", default=None, metavar="FILE.json", help="Write metrics and per-request data.")
     p.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
 
@@ -187,7 +191,7 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
         warm_results = loop_run(_run(warm, [0.0] * len(warm), args, tokenizer, "warmup"))[0]
         if not any(r.success for r in warm_results):
             raise RuntimeError(f"every warm-up request to {args.base_url} failed: {warm_results[0].error}")
-    targets = metric_targets(args.base_url)
+    targets = args.metrics_url or metric_targets(args.base_url)
     before, stages_before = scrape(targets), scrape_ttft_stages(args.base_url)
     gc.collect()
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request

@@ -19,6 +19,7 @@ from typing import Optional
 from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.request import Request, RequestStatus
+from pdserve.transfer.proof import sign_params
 
 
 @dataclass
@@ -260,7 +261,10 @@ class Scheduler:
         req.error = error
         keep = False
         if self.connector is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            keep, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.blocks_of(request_id))
+            keep, out = self.connector.request_finished(req, self.kv.blocks_of(request_id))
+            if out:  # P vouches for its own params: D checks this proof, whoever relays them
+                out = sign_params(out, self.connector.config.auth_token())
+            req.kv_transfer_params_out = out
         elif self.connector is not None and req.kv_transfer_params and not req.kv_load_tried:
             self.connector.request_abandoned(req)  # e.g. aborted while short of blocks for its load
         if keep:

@@ -2,8 +2,8 @@
 
 A row (one request) may sample several positions (speculative decoding verifies 1 + K of them); `row_of[i]` names
 the request of position i. Greedy positions take the argmax and are never sorted. Random ones apply penalties,
-temperature, top-k, top-p (one sort of values over the rows that filter) and min-p, then sample with the exponential race
-(argmax p / E, E ~ Exp(1)): E for unseeded rows in one draw from the engine's generator, for a seeded request from
+temperature, top-k, top-p (one sort of values over the rows that filter) and min-p, then sample by the inverse CDF
+with one uniform per row: for unseeded rows drawn together from the engine's generator, for a seeded request from
 its own generator, so its tokens do not depend on what else is in the batch. Logprobs are of the raw model
 distribution, for all the rows that ask in one pass.
 """
@@ -83,19 +83,36 @@ class Sampler:
         """logits [positions, vocab]; `reqs` the rows; `row_of` each position's row (default: one each)."""
         row_of = list(range(len(reqs))) if row_of is None else row_of
         params = [reqs[r].sampling_params for r in row_of]
-        raw = logits
-        penal = [i for i, (r, sp) in enumerate(zip(row_of, params)) if _penalised(reqs[r], sp)]
-        if penal:
-            logits = self._apply_penalties(logits.clone(), [reqs[row_of[i]] for i in penal], penal)
-        rand = [i for i, sp in enumerate(params) if sp.temperature >= GREEDY_EPS]
-        tokens = logits.argmax(dim=-1)
-        if rand:
-            tokens[rand] = self._sample(logits[rand], [reqs[row_of[i]] for i in rand])
+        n = len(row_of)
+        penal = {i for i, (r, sp) in enumerate(zip(row_of, params)) if _penalised(reqs[r], sp)}
+        rand = {i for i, sp in enumerate(params) if sp.temperature >= GREEDY_EPS}
+        # Only the rows that change their logits (penalties) or sample are copied; plain greedy rows take the
+        # argmax of the raw logits, which also stay as they are for logprobs.
+        work = sorted(penal | rand)
+        plain = [i for i in range(n) if i not in penal and i not in rand]
+        if len(plain) == n:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+            if plain:
+                tokens[plain] = logits[plain].argmax(dim=-1)
+        if work:
+            sub = logits.clone() if len(work) == n else logits[work]
+            local = [j for j, i in enumerate(work) if i in penal]
+            if local:
+                sub = self._apply_penalties(sub, [reqs[row_of[work[j]]] for j in local], local)
+            greedy = [j for j, i in enumerate(work) if i not in rand]
+            if greedy:
+                tokens[[work[j] for j in greedy]] = sub[greedy].argmax(dim=-1)
+            sampled = [j for j, i in enumerate(work) if i in rand]
+            if sampled:
+                tokens[[work[j] for j in sampled]] = self._sample(
+                    sub if len(sampled) == len(work) else sub[sampled], [reqs[row_of[work[j]]] for j in sampled])
         token_list = tokens.tolist()
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         logprobs: list[Optional[dict]] = [None] * len(token_list)
         if want:
-            for i, lp in zip(want, _logprobs(raw[want], [token_list[i] for i in want],
+            for i, lp in zip(want, _logprobs(logits[want], [token_list[i] for i in want],
                                              [params[i].logprobs for i in want])):
                 logprobs[i] = lp
         return token_list, logprobs
@@ -147,24 +164,49 @@ class Sampler:
             logits[r, t] = v - ea * c - eb
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One uniform draw per row, through the inverse of its distribution's CDF (float64 running sums, so a
+        token's chance is its probability to ~1e-16): unseeded rows draw together from the engine's generator, a
+        seeded request from its own, so its tokens do not depend on what else is in the batch. One draw per row,
+        not one per token as an exponential race needs: vocabulary-wide noise and its log were most of the
+        sampler's time on CPU."""
         probs = filtered_probs(logits, reqs)
-        # Uniform draws, made exponential below in one pass: torch.rand is ~7x exponential_ on CPU.
-        seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
+        u = torch.empty(len(reqs), dtype=torch.float64)
         free = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
-        if not seeded:
-            u = torch.rand(probs.shape, generator=self.generator, dtype=probs.dtype, device=probs.device)
-        else:
-            u = torch.empty_like(probs)
-            if free:
-                u[free] = torch.rand(len(free), probs.shape[-1], generator=self.generator, dtype=probs.dtype,
-                                     device=probs.device)
-        for i in seeded:  # each seeded row from its own generator, straight into its row
-            r = reqs[i]
-            if r.generator is None:
-                r.generator = torch.Generator(probs.device).manual_seed(r.sampling_params.seed)
-            u[i].uniform_(generator=r.generator)
-        # E = -log(u) ~ Exp(1); u = 0 gives E = inf, a token that cannot win (p / E = 0): never a NaN.
-        return (probs / u.log_().neg_()).argmax(dim=-1)
+        if free:
+            u[free] = torch.rand(len(free), generator=self.generator, dtype=torch.float64, device=self.device).cpu()
+        for i, r in enumerate(reqs):
+            if r.sampling_params.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(self.device).manual_seed(r.sampling_params.seed)
+                u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64, device=self.device).item()
+        return inverse_cdf(probs, u)
+
+
+CDF_CHUNK = 128
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row, the first token whose running sum of `probs` passes u x the row's total, u in [0, 1): a token
+    of probability 0 is never taken. Two levels, so no vocabulary-wide running sum (slow on CPU): chunk sums find
+    the chunk, a running sum inside it the token; float64 throughout. A row with no mass (all zero, NaN) takes its
+    argmax."""
+    n, vocab = probs.shape
+    p = probs.double()
+    if vocab % CDF_CHUNK:
+        p = torch.nn.functional.pad(p, (0, CDF_CHUNK - vocab % CDF_CHUNK))
+    chunks = p.view(n, -1, CDF_CHUNK)
+    ends = chunks.sum(-1).cumsum(-1)  # [n, chunks]: the running sum at each chunk's end
+    total = ends[:, -1]
+    target = u.to(p.device) * total
+    j = torch.searchsorted(ends, target[:, None], right=True)[:, 0].clamp_(max=ends.shape[1] - 1)
+    start = torch.where(j > 0, ends.gather(1, (j - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(total))
+    inner = chunks[torch.arange(n, device=p.device), j].cumsum(-1)  # [n, CDF_CHUNK]
+    k = torch.searchsorted(inner, (target - start)[:, None], right=True)[:, 0]
+    # rounding between the two levels may point past the chunk's last token with mass: take that one
+    k = torch.minimum(k, (inner < inner[:, -1:]).sum(-1))
+    bad = ~(total > 0)
+    idx = j * CDF_CHUNK + k
+    return torch.where(bad, probs.argmax(dim=-1), idx) if bool(bad.any()) else idx
 
 
 def _penalised(req: Request, sp) -> bool:

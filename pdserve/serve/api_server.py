@@ -1,7 +1,7 @@
 """`pdserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an AsyncEngine.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics, /v1/kv/release (P/D: the
-router ends a lease no decode node took) and, with --enable-debug-routes, /debug/kv. The engine is built in the
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics, the P/D routes of
+`kv_routes.py` (/v1/kv/release, /v1/kv/probe) and, with --enable-debug-routes, /debug/kv. The engine is built in the
 background after the socket is open, so /health answers 503 until start-up is done. SIGTERM/SIGINT: stop
 accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the rest; a P/D producer then
 serves its open KV leases until decode nodes confirm them or they expire, within the same timeout; stop the engine
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 import pdserve
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError, install_error_handlers
+from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.serve.protocol import ModelInfo, parse_json_body
 from pdserve.serve.request_context import RequestContextMiddleware, configure_logging
@@ -161,29 +162,7 @@ def build_app(state: ServerState) -> FastAPI:
                 logger.warning("engine stats unavailable: %s", e)
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/kv/release")
-    async def kv_release(request: Request):
-        """P/D producer: end a KV lease now. The body is `{"kv_transfer_params": ...}` as P returned them, signed
-        by the router (its HMAC with the KV token, the proof D checks): the router's call when no decode node took
-        the request. That proof is the authentication (not the API key). 200 released; 404 no such open lease here
-        (unknown, already released or expired: a repeat is harmless); 403 no valid proof."""
-        data = await read_json(request, state.cfg.max_body_bytes)
-        params = data.get("kv_transfer_params")
-        if not isinstance(params, dict) or not isinstance(params.get("transfer_id"), str):
-            raise APIError(400, "kv_transfer_params: the object P returned (with its transfer_id), signed by the "
-                                "router, is required", "kv_transfer_params")
-        tid = params["transfer_id"]
-        result = await state.engine.release_lease(params)
-        if result == "released":
-            logger.info("KV lease of transfer %s released on request", tid)
-            return {"status": "released", "transfer_id": tid}
-        if result == "forbidden":
-            raise APIError(403, "kv_transfer_params without a valid router proof (an HMAC made with the KV token)",
-                           "kv_transfer_params")
-        if result == "unsupported":
-            raise APIError(400, "this server keeps no KV leases (not a P/D producer)", "kv_transfer_params")
-        raise APIError(404, f"transfer {tid}: no open KV lease here (unknown, already released or expired)",
-                       "kv_transfer_params")
+    add_kv_routes(app, state, read_json)
 
     if state.cfg.enable_debug_routes:
         @app.get("/debug/kv")

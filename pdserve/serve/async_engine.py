@@ -278,13 +278,14 @@ class AsyncEngine:
         """Run a named read-only query (`stats`, `kv`) in the engine loop, between steps."""
         return await self._ask("query", name, timeout=timeout)
 
-    async def release_lease(self, params: dict, timeout: float = 10.0) -> str:
-        """P: end the KV lease that router-signed `params` name (see LLMEngine.release_lease for the answers)."""
-        return await self._ask("release_lease", params, timeout=timeout)
+    async def call(self, name: str, arg: Any, timeout: float = 10.0) -> Any:
+        """Run the engine's P/D call `name` (release_lease, check_kv_probe: see LLMEngine) on `arg`, in
+        the engine loop between steps."""
+        return await self._ask("call", (name, arg), timeout=timeout)
 
     def release_remote_kv(self, request_id: str, params) -> None:
         """D: a P/D request refused before it reached the engine (a 400 on its fields, a 503): the engine loop tells
-        P to end its lease now, if the params' router proof holds. Without a running engine nothing is sent (the
+        P to end its lease now, if the params' proof holds. Without a running engine nothing is sent (the
         router releases the lease on P for any answer but 200)."""
         if isinstance(params, dict) and params.get("do_remote_prefill") and self.ready:
             self._inbox.put(("release_remote", request_id, params))

@@ -1,9 +1,10 @@
 """The engine loop that runs apart from the HTTP event loop: in a background thread or in a child process.
 
 It owns the `LLMEngine` (built here, so start-up never blocks the server), takes commands from an inbox between
-steps (add, abort, abort_all, query, release_remote, release_lease, stop) and hands each step's outputs to a sink
+steps (add, abort, abort_all, query, release_remote, call, stop) and hands each step's outputs to a sink
 as one `StepBatch` of plain, picklable records. Only this loop ever touches the engine, so no lock is needed: an
-abort reaches the scheduler at the next step boundary and frees the request's blocks there.
+abort reaches the scheduler at the next step boundary and frees the request's blocks there. A P/D request on D is
+added once P has said its KV is still there (`lease_check.py`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+from pdserve.serve.lease_check import LeaseChecks
 
 logger = logging.getLogger("pdserve.serve.engine")
 
@@ -89,6 +92,7 @@ class EngineCore:
         self.sink = sink
         self.engine = None
         self._stop = False
+        self._checks: Optional[LeaseChecks] = None
 
     def run(self) -> None:
         try:
@@ -104,12 +108,18 @@ class EngineCore:
         # ~95 ms on a D, a pause that would land inside a decode step)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None))
+        self._checks = LeaseChecks(getattr(eng, "remote_lease_left", lambda params: 1.0))
         try:
             while not self._stop:
                 busy = eng.has_unfinished_requests()
                 batch = StepBatch(0.0)
-                for cmd in self.inbox.get(block=not busy):
+                cmds = self.inbox.get(block=not busy and not self._checks.pending)
+                for cmd in cmds:
                     self._handle(cmd, batch)
+                # idle but for lease checks: wait a little for their answers, and look at the inbox again soon
+                wait = 0.002 if self._checks.pending and not (busy or cmds) else 0.0
+                for cmd, left, wanted in self._checks.answers(wait):
+                    self._checked(cmd, left, wanted, batch)
                 if eng.has_unfinished_requests() and not self._stop:
                     batch.records.extend(_record(o) for o in eng.step())
                 if batch.records or batch.replies:
@@ -124,29 +134,19 @@ class EngineCore:
         kv = self._q_kv()  # what a drain left behind: leases no decode node confirmed, or a broken pool
         logger.info("engine stopped: %d KV blocks in use (%d leased), invariants %s", kv["used_blocks"],
                     kv.get("leased_blocks", 0), "ok" if kv["invariants_ok"] else kv["invariant_error"])
+        self._checks.shutdown()
         if hasattr(eng, "shutdown"):
             eng.shutdown()  # the KV connector's server and threads, if any
 
     def _handle(self, cmd: tuple, batch: StepBatch) -> None:
         eng, op = self.engine, cmd[0]
         if op == "add":
-            _, rid, token_ids, params, arrival, kv_params = cmd
-            try:
-                if kv_params is None:
-                    eng.add_request(token_ids, params, rid, arrival_time=arrival)
-                else:
-                    eng.add_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params)
-                    batch.records.append(TokenRecord(rid, [], "", False))  # accepted: the server may answer now
-            except ValueError as e:  # what only the engine can check (kv_transfer_params): the client's fault
-                logger.warning("request refused: %s", e, extra={"request_id": rid})
-                batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e), rejected=True))
-                self._release_remote(rid, kv_params)
-            except Exception as e:  # should it still fail, fail this request only
-                logger.exception("add_request failed", extra={"request_id": rid})
-                batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e)))
-                if rid not in eng.scheduler.requests:  # never admitted: no load of its own will tell P
-                    self._release_remote(rid, kv_params)
+            self._add(cmd, batch)
         elif op == "abort":
+            if self._checks.cancel(cmd[1]):  # never in the scheduler; its lease is released when P's answer comes
+                logger.info("aborted while its prefill node was asked about the KV", extra={"request_id": cmd[1]})
+                batch.records.append(TokenRecord(cmd[1], [], "", True, "abort"))
+                return
             req = eng.scheduler.requests.get(cmd[1])
             generated = req.num_output_tokens if req is not None else 0
             out = eng.abort_request(cmd[1])
@@ -156,6 +156,8 @@ class EngineCore:
         elif op == "abort_all":
             for rid in list(eng.scheduler.requests):
                 batch.records.append(_record(eng.abort_request(rid)))
+            for rid in self._checks.cancel_all():
+                batch.records.append(TokenRecord(rid, [], "", True, "abort"))
             if batch.records:
                 logger.info("aborted %d request(s)", len(batch.records))
         elif op == "query":
@@ -167,15 +169,52 @@ class EngineCore:
             batch.replies.append((qid, result))
         elif op == "release_remote":  # D: a P/D request the server refused before the engine saw it
             self._release_remote(cmd[1], cmd[2])
-        elif op == "release_lease":  # P: the router's release of a lease no decode node took
-            _, qid, params = cmd
+        elif op == "call":  # a router's P/D call with an argument (LLMEngine.release_lease, check_kv_probe)
+            _, qid, (name, arg) = cmd
             try:
-                result = self.engine.release_lease(params)
+                if name not in ("release_lease", "check_kv_probe"):
+                    raise ValueError(f"no engine call {name!r}")
+                result = getattr(self.engine, name)(arg)
             except Exception as e:
                 result = e
             batch.replies.append((qid, result))
         elif op == "stop":
             self._stop = True
+
+    def _add(self, cmd: tuple, batch: StepBatch, checked: bool = False) -> None:
+        eng = self.engine
+        _, rid, token_ids, params, arrival, kv_params = cmd
+        try:
+            if kv_params is None:
+                eng.add_request(token_ids, params, rid, arrival_time=arrival)
+                return
+            if not checked and isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
+                self._checks.submit(rid, eng.check_remote_request(token_ids, params, kv_params), cmd)
+                return
+            eng.add_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params)
+            batch.records.append(TokenRecord(rid, [], "", False))  # accepted: the server may answer now
+        except ValueError as e:  # what only the engine can check (kv_transfer_params): the client's fault
+            self._refuse(rid, kv_params, str(e), batch)
+        except Exception as e:  # should it still fail, fail this request only
+            logger.exception("add_request failed", extra={"request_id": rid})
+            batch.records.append(TokenRecord(rid, [], "", True, "error", error=str(e)))
+            if rid not in eng.scheduler.requests:  # never admitted: no load of its own will tell P
+                self._release_remote(rid, kv_params)
+
+    def _refuse(self, rid: str, kv_params, why: str, batch: StepBatch) -> None:
+        logger.warning("request refused: %s", why, extra={"request_id": rid})
+        batch.records.append(TokenRecord(rid, [], "", True, "error", error=why, rejected=True))
+        self._release_remote(rid, kv_params)
+
+    def _checked(self, cmd: tuple, left: Optional[float], wanted: bool, batch: StepBatch) -> None:
+        rid, kv_params = cmd[1], cmd[5]
+        if not wanted:  # aborted while P was asked
+            self._release_remote(rid, kv_params)
+        elif left is not None and left <= 0:
+            self._refuse(rid, kv_params, "kv_transfer_params expired: the prefill node no longer holds this KV (its "
+                         "lease ended, was released, or was used already); prefill the prompt again", batch)
+        else:
+            self._add(cmd, batch, checked=True)
 
     def _release_remote(self, rid: str, kv_params) -> None:
         """D: P's lease for a refused request ends now, not at its expiry (LLMEngine.release_remote_kv checks the
@@ -194,6 +233,9 @@ class EngineCore:
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
         return {"running": len(s.running), "waiting": s.num_waiting, "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer}
+
+    def _q_kv_probe(self) -> Optional[dict]:
+        return self.engine.kv_probe()
 
     def _q_leases(self) -> int:
         """P/D producer: finished prefills whose KV a decode node may still read."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -85,6 +85,28 @@ class EngineCollector:
         g = GaugeMetricFamily("pdserve_kv_leased_blocks", "KV blocks held under a lease for decode nodes to read.")
         g.add_metric([], t.get("leased_blocks", 0))
         yield g
+        yield from self._nixl(t.get("nixl"))
+
+    _NIXL_DOCS = {"xfer_time_seconds": "Histogram of transfer duration for NIXL KV Cache transfers.",
+                  "post_time_seconds": "Histogram of transfer post time for NIXL KV Cache transfers.",
+                  "bytes_transferred": "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                  "num_descriptors": "Histogram of number of descriptors per NIXL KV Cache transfers.",
+                  "num_failed_transfers": "Number of failed NIXL KV Cache transfers.",
+                  "num_failed_notifications": "Number of failed NIXL KV Cache notifications.",
+                  "num_kv_expired_reqs": "Number of requests whose KV blocks P freed at a deadline, never read."}
+
+    def _nixl(self, n: Optional[dict]):
+        """vLLM's NIXL series (NixlPromMetrics), on servers with a NixlConnector."""
+        if not n:
+            return
+        for key, h in n["histograms"].items():
+            m = HistogramMetricFamily(f"pdserve_nixl_{key}", self._NIXL_DOCS[key])
+            m.add_metric([], [(repr(float(le)), c) for le, c in h["buckets"]] + [("+Inf", h["count"])], h["sum"])
+            yield m
+        for key, v in n["counters"].items():
+            c = CounterMetricFamily(f"pdserve_nixl_{key}", self._NIXL_DOCS[key])
+            c.add_metric([], v)
+            yield c
 
 
 class ServerMetrics:

@@ -7,16 +7,19 @@ Lifecycle of a request:
    true}`; a P that fails before answering (connection error, 5xx) is retried on another P; a one-token token-id
    prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
    params and D prefills it);
-3. step 2, to a D: the original request plus P's returned `kv_transfer_params` and the router's proof (an HMAC of
-   the params with the KV token, which D checks); a P answer without params (nothing to hand over) sends the
-   original request to D alone, which prefills it locally;
-4. D's response, streamed or not, goes back to the client unchanged;
+3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
+   returned them, with P's own proof (D checks it; the router holds no KV token); a P answer without params
+   (nothing to hand over) sends the original request to D alone, which prefills it locally;
+4. D's response, streamed or not, goes back to the client unchanged; but D refusing P's params (a 400 on
+   kv_transfer_params) is a deployment error, not the client's: the client gets a 502 naming it, and a proof that
+   does not verify takes that P/D pair out of rotation (P and D hold different KV tokens);
 5. params no D took end their lease on P at once: when no D is left, D cannot be reached, D answers anything but
    200 (D also releases what it refuses itself; the two are idempotent), or the client goes away before D's
    answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
    `/v1/kv/release` (in the background; should that fail too, the lease ends at its expiry).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
-answers again.
+answers again. With it, each P's probe (`GET /v1/kv/probe`, signed with P's KV token) goes to each D (`POST
+/v1/kv/probe`): a pair whose probe does not verify is out of rotation, with a log line, until it does.
 
 `/metrics` has `pdserve_router_ttft_seconds{stage}`, the time to first token of each request split by where it went.
 Each node reports its own part in a `Server-Timing` header (`queue`, `kv_transfer`, `prefill`, `ttft`, in ms; a D
@@ -50,7 +53,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 
 from pdserve.serve.router_timing import TtftSplit, parse_server_timing
-from pdserve.transfer.proof import sign_params
+from pdserve.transfer.proof import NOT_VERIFIED
 
 logger = logging.getLogger("pdserve.router")
 STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")
@@ -90,11 +93,11 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], policy: str, kv_token: str,
-                 health_interval: float = 1.0, timeout: float = 600.0):
+    def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
+                 timeout: float = 600.0):
         self.prefill = Pool([Node(u.rstrip("/")) for u in prefill], policy)
         self.decode = Pool([Node(u.rstrip("/")) for u in decode], policy)
-        self.kv_token = kv_token
+        self.bad_pairs: dict[tuple[str, str], str] = {}  # (P url, D url) -> why P's proofs fail on that D
         self.health_interval = health_interval
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
         self.registry = CollectorRegistry()
@@ -112,7 +115,58 @@ class Router:
                 if ok != node.healthy:
                     logger.warning("node %s is %s", node.url, "back" if ok else "down: taken out of rotation")
                 node.healthy = ok
+            await self.probe_pairs()
             await asyncio.sleep(self.health_interval)
+
+    async def probe_pairs(self) -> None:
+        """Each healthy P's probe to each healthy D: a pair where P's proofs would not verify (D answers 409) goes out
+        of rotation. Any other answer (a node without the route, a 5xx) leaves the pair as it was: only a definite
+        mismatch takes a pair out, and traffic finds the rest (`_refused`)."""
+        for p in (n for n in self.prefill.nodes if n.healthy):
+            try:
+                r = await self.client.get(p.url + "/v1/kv/probe", timeout=2.0)
+                probe = r.json().get("probe") if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                probe = None
+            if probe is None:
+                continue
+            for d in (n for n in self.decode.nodes if n.healthy):
+                try:
+                    r = await self.client.post(d.url + "/v1/kv/probe", json={"probe": probe}, timeout=2.0)
+                except httpx.HTTPError:
+                    continue
+                if r.status_code in (200, 409):
+                    self._mark_pair(p, d, None if r.status_code == 200 else f"probe failed: {_message(r)}")
+
+    def _mark_pair(self, p: Node, d: Node, why: Optional[str]) -> None:
+        key = (p.url, d.url)
+        if why is None and key in self.bad_pairs:
+            del self.bad_pairs[key]
+            logger.warning("prefill node %s -> decode node %s: P's KV proofs verify on D again; back in rotation",
+                           p.url, d.url)
+        elif why is not None and self.bad_pairs.get(key) is None:
+            logger.error("prefill node %s -> decode node %s taken out of rotation: %s", p.url, d.url, why)
+        if why is not None:
+            self.bad_pairs[key] = why
+
+    def _decode_for(self, p: Optional[Node]) -> Optional[Node]:
+        bad = () if p is None else tuple(d for d in self.decode.nodes if (p.url, d.url) in self.bad_pairs)
+        return self.decode.pick(bad)
+
+    def _no_pair(self) -> Optional[str]:
+        """Why no request can be served, when every healthy P's proofs fail on every healthy D (a deployment error:
+        the KV tokens differ)."""
+        live_p = [p for p in self.prefill.nodes if p.healthy]
+        if not live_p or any(p not in self._prefill_exclusions() for p in live_p):
+            return None
+        pairs = [f"{p.url} -> {d.url}: {why}" for (p_url, d_url), why in self.bad_pairs.items()
+                 for p in live_p for d in self.decode.nodes if p.url == p_url and d.url == d_url and d.healthy]
+        return "no prefill/decode pair can hand KV over (KV token mismatch): " + "; ".join(pairs)
+
+    def _prefill_exclusions(self) -> tuple:
+        """Ps with no healthy D their proofs verify on: a prefill there could only hold a lease."""
+        live = [d for d in self.decode.nodes if d.healthy]
+        return tuple(p for p in self.prefill.nodes if all((p.url, d.url) in self.bad_pairs for d in live))
 
     async def _prefill(self, path: str, body: dict,
                        headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response]]:
@@ -120,7 +174,7 @@ class Router:
         response for the client or None)."""
         p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
         p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
-        tried: tuple = ()
+        tried: tuple = self._prefill_exclusions()
         while (node := self.prefill.pick(tried)) is not None:
             tried += (node,)
             node.in_flight += 1
@@ -182,6 +236,8 @@ class Router:
         body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes
         if not any(n.healthy for n in self.decode.nodes):  # before P: a prefill no D can take only holds a lease
             return error(503, "no healthy decode node", "service_unavailable")
+        if (why := self._no_pair()) is not None:
+            return error(503, why, "service_unavailable")
         t0 = time.monotonic()
         prompt = body.get("prompt")
         one_token = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int)
@@ -196,11 +252,11 @@ class Router:
             p_round_trip = None if one_token else t_d - t0
             d_body = dict(body)
             if params:
-                d_body["kv_transfer_params"] = sign_params(params, self.kv_token)
+                d_body["kv_transfer_params"] = params  # verbatim: P's proof covers them
             if gone.done():  # the client left while P prefilled: no D will take these params
                 self._release(p_node, d_body, rid, "the client went away")
                 return Response(status_code=499)
-            node = self.decode.pick()
+            node = self._decode_for(p_node if params else None)
             if node is None:
                 self._release(p_node, d_body, rid, "no healthy decode node")
                 return error(503, "no healthy decode node", "service_unavailable")
@@ -231,6 +287,9 @@ class Router:
             return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
         if upstream.status_code != 200:
             self._release(p_node, d_body, rid, f"decode node {node.url} answered {upstream.status_code}")
+        if upstream.status_code == 400 and params:
+            node.in_flight -= 1
+            return await self._refused(upstream, p_node, node)
         ok = upstream.status_code == 200
         d_timing = parse_server_timing(upstream.headers.get("server-timing"))
         if ok and not body.get("stream") and "ttft" in d_timing:
@@ -258,6 +317,33 @@ class Router:
         media = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
                                  headers={"X-Request-Id": rid}, background=BackgroundTask(release))
+
+
+    async def _refused(self, upstream: httpx.Response, p: Node, d: Node) -> Response:
+        """D's 400 to a P/D request: on the params this router relayed unaltered it is a deployment error, answered
+        502; on the client's own fields it goes back as it is."""
+        await upstream.aread()
+        await upstream.aclose()
+        try:
+            err = upstream.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            err = {}
+        if err.get("param") != "kv_transfer_params":
+            return Response(upstream.content, 400, media_type=upstream.headers.get("content-type"))
+        msg = str(err.get("message", ""))
+        if msg.startswith(NOT_VERIFIED):
+            self._mark_pair(p, d, f"decode node could not verify the prefill node's KV proof: {msg}")
+            return error(502, f"KV token mismatch: decode node {d.url} could not verify the kv_transfer_params of "
+                              f"prefill node {p.url} ({msg}); P and D must share the KV token", "bad_gateway")
+        return error(502, f"decode node {d.url} refused the kv_transfer_params of prefill node {p.url}: {msg}",
+                     "bad_gateway")
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {r.status_code}"
 
 
 def build_app(router: Router) -> FastAPI:
@@ -312,21 +398,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
     p.add_argument("--policy", choices=("round-robin", "least-loaded"), default="round-robin",
                    help="How a P and a D are chosen among the healthy ones (default: round-robin).")
-    p.add_argument("--kv-auth-token", default=None,
-                   help="Shared KV token, to sign kv_transfer_params for D (default: $PDSERVE_KV_TOKEN).")
     p.add_argument("--health-interval", type=float, default=1.0, help="Seconds between node health checks.")
     p.add_argument("--log-level", default="info", help="Log level (default: info).")
 
 
 def run_router(args) -> int:
-    import os
-
     import uvicorn
-    token = args.kv_auth_token or os.environ.get("PDSERVE_KV_TOKEN", "")
-    if not token:
-        raise ValueError("--kv-auth-token (or PDSERVE_KV_TOKEN) is required: D refuses unsigned kv_transfer_params")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.prefill, args.decode, args.policy, token, args.health_interval)
+    router = Router(args.prefill, args.decode, args.policy, args.health_interval)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 

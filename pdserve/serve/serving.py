@@ -55,6 +55,11 @@ def server_timing(timing: Optional[dict]) -> dict:
     return {"Server-Timing": ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())}
 
 
+# SGLang-style fields vllm-router sets on every request it forwards (at their defaults unless a client set them).
+ROUTER_DEFAULT_FIELDS = frozenset({"no_stop_trim", "return_hidden_states", "continue_final_message",
+                                   "separate_reasoning", "stream_reasoning", "include_reasoning"})
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, info: ModelInfo):
         self.engine = engine
@@ -63,8 +68,10 @@ class OpenAIServing:
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
         try:
             greq = to_generation_request(kind, data, self.info)
-            if greq.unknown_fields:
-                logger.warning("ignoring unknown field(s): %s", ", ".join(greq.unknown_fields))
+            if greq.unknown_fields:  # what routers add to every request is no news: a debug line, not a warning
+                noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]
+                (logger.warning if noisy else logger.debug)("ignoring unknown field(s): %s",
+                                                            ", ".join(greq.unknown_fields))
             echo = self._echo_prefix(greq)
             st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
         except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now

@@ -1,4 +1,6 @@
-"""MultiConnector: loads from the first child that can supply the tokens, hands finished requests to all."""
+"""MultiConnector: loads from the first child that can supply the tokens, hands finished requests to all. A finished
+request whose blocks several children keep (each its own lease) is freed only when every one of them has let go:
+the first child's lease expiring must not free blocks another child's reader may still be reading."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,6 +16,7 @@ class MultiConnector(KVConnector):
         self.children = [CONNECTORS[c.kv_connector](c, engine) for c in config.connectors]
         self._source: dict[str, KVConnector] = {}
         self._load_owner: dict[str, KVConnector] = {}
+        self._keepers: dict[str, int] = {}  # finished request id -> children still keeping its blocks
 
     def register_kv_caches(self, kv_caches: list) -> None:
         super().register_kv_caches(kv_caches)
@@ -57,18 +60,26 @@ class MultiConnector(KVConnector):
             c.start_load_kv(ConnectorMeta([j for j in meta.loads if self._load_owner.get(j.request_id) is c]))
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        keep, params = False, None
+        keepers, params = 0, None
         for c in self.children:
             k, p = c.request_finished(req, block_ids)
-            keep |= k
+            keepers += bool(k)
             params = params or p
-        return keep, params
+        if keepers:
+            self._keepers[req.request_id] = keepers
+        return bool(keepers), params
 
     def get_finished(self) -> FinishedTransfers:
         out = FinishedTransfers()
         for c in self.children:
             f = c.get_finished()
-            out.done_sending |= f.done_sending
+            for rid in f.done_sending:
+                left = self._keepers.get(rid, 1) - 1
+                if left > 0:
+                    self._keepers[rid] = left
+                else:
+                    self._keepers.pop(rid, None)
+                    out.done_sending.add(rid)
             out.done_recving |= f.done_recving
             out.failed.update(f.failed)
         return out

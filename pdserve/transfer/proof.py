@@ -1,23 +1,62 @@
-"""The router's proof on kv_transfer_params: D accepts remote-prefill params only if they carry an HMAC, made with
-the shared KV token, over everything else in them. A client cannot point D at a KV endpoint of its choosing."""
+"""P's proof on the kv_transfer_params it hands out: an HMAC, made with the shared KV token under a domain label of its
+own (the KV handshake uses the token under other labels), over the fields P wrote: its engine, the transfer id, the
+KV endpoint, the prompt's length and hash, and the lease's expiry as seconds left when P answered (never an absolute
+time: hosts' clocks are not compared). D checks it before it uses any field, so any router that relays P's params
+verbatim works (pdserve's, vllm-router, a user's proxy), while params a client invents, alters, or moves to another
+prompt are refused and D dials nothing for them. The proof names the fields it covers: fields a router adds beside
+them are dropped, never trusted. A probe (the router's health check) is signed under a third label, so a probe can
+never pass for params."""
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import logging
+from typing import Optional
 
-PROOF_FIELD = "router_proof"
+logger = logging.getLogger("pdserve.transfer")
+
+PROOF_FIELD = "kv_proof"
+PARAMS_LABEL = "pdserve kv_transfer_params v1"
+PROBE_LABEL = "pdserve kv probe v1"
+# What D acts on: a proof that leaves any of these out does not verify.
+REQUIRED = ("do_remote_prefill", "transfer_id", "remote_engine_id", "remote_host", "remote_port", "num_prompt_tokens",
+            "prompt_hash", "lease_seconds")
+# D's refusal starts with this; pdserve's router reads it as a deployment error (it relayed P's params unaltered).
+NOT_VERIFIED = "kv_transfer_params: the prefill node's proof does not verify"
 
 
-def _digest(params: dict, token: str) -> str:
-    body = json.dumps({k: v for k, v in params.items() if k != PROOF_FIELD}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
+def prompt_hash(token_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()
 
 
-def sign_params(params: dict, token: str) -> dict:
-    return {**params, PROOF_FIELD: _digest(params, token)}
+def _mac(fields: dict, token: str, label: str) -> str:
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hmac.new(token.encode(), f"{label}\0{body}".encode(), hashlib.sha256).hexdigest()
 
 
-def verify_params(params: dict, token: str) -> bool:
-    proof = params.get(PROOF_FIELD)
-    return bool(token) and isinstance(proof, str) and hmac.compare_digest(proof, _digest(params, token))
+def sign_params(params: dict, token: str, label: str = PARAMS_LABEL) -> dict:
+    fields = {k: v for k, v in params.items() if k != PROOF_FIELD}
+    return {**fields, PROOF_FIELD: f"{','.join(sorted(fields))}:{_mac(fields, token, label)}"}
+
+
+def verified_params(params, token: str, label: str = PARAMS_LABEL) -> Optional[dict]:
+    """The signed fields of `params` (with the proof) when its proof holds under `token`, else None."""
+    proof = params.get(PROOF_FIELD) if isinstance(params, dict) else None
+    if not token or not isinstance(proof, str) or ":" not in proof:
+        return None
+    names, mac = proof.rsplit(":", 1)
+    keys = names.split(",") if names else []
+    if any(k not in params for k in keys) or (label == PARAMS_LABEL and any(k not in keys for k in REQUIRED)):
+        return None
+    fields = {k: params[k] for k in keys}
+    if not hmac.compare_digest(mac, _mac(fields, token, label)):
+        return None
+    extra = sorted(set(params) - set(keys) - {PROOF_FIELD})
+    if extra:
+        logger.debug("kv_transfer_params: ignoring unsigned field(s) %s", ", ".join(extra))
+    return {**fields, PROOF_FIELD: proof}
+
+
+def verify_params(params, token: str, label: str = PARAMS_LABEL) -> bool:
+    return verified_params(params, token, label) is not None

@@ -11,10 +11,13 @@ with the tag an AES-256-GMAC (GCM with no plaintext) over everything between len
 with the nonce direction | sequence number: a replayed, reordered, cut or altered frame fails, and the tag is also
 the checksum of the KV bytes. (GMAC runs at ~22 GB/s here, Poly1305 at ~12 and HMAC-SHA256 at ~1.7: the tag is
 read over every byte on both ends, so its speed is a large part of the transport's.)
-The tag trails the payload so that both ends stream: the payload moves in groups of about 1 MiB, each tagged right
-after it is sent or received, straight from or into the KV cache (sendmsg/recvmsg_into over views, no copy).
+The tag trails the payload so that both ends stream: the payload moves in groups of about 1 MiB (the last one
+short, so little tagging is left once the bytes are across), each tagged just before it is sent and right after it
+is received, straight from or into the KV cache (sendmsg/recvmsg_into over views, no copy). A frame without payload
+(every request, most answers) is tagged in one AES-GCM call and received in one read after its length.
 
 With TLS (kv_tls_cert/kv_tls_key on P, kv_tls_ca on D) the same bytes run inside the TLS stream.
+One session carries many operations (tcp_channel.py): the counters run on across them.
 """
 from __future__ import annotations
 
@@ -24,14 +27,18 @@ import os
 import socket
 import ssl
 import struct
+import time
 from typing import Optional
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAX_FRAME = 1 << 31
 TAG = 16  # GMAC
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into (Linux's limit)
 GROUP = 1 << 20  # bytes moved, then tagged, at a time: the two ends overlap at this grain
+TAIL = 128 << 10  # the last group of a payload: its tagging, on both ends, is all the transfer waits for
 SOCK_BUF = 4 << 20  # SO_SNDBUF/SO_RCVBUF: a few groups in flight
 
 
@@ -77,15 +84,23 @@ def _move(sock: socket.socket, views: list, send: bool) -> None:
 
 
 def _groups(views: list):
-    """`views` in lists of about GROUP bytes (big views split)."""
-    group, size = [], 0
+    """`views` in lists of at most GROUP bytes (big views split), the first and the last of at most TAIL bytes: the
+    sender tags a group before moving it and the receiver after, so only those two taggings are not overlapped by
+    the other end's work."""
+    total = sum(v.nbytes for v in views)
+    cuts = sorted({min(TAIL, total), max(total - TAIL, 0), total} - {0})  # where a group must end
+    pos, group, size, edge = 0, [], 0, 0
     for v in views:
-        for part in (v,) if v.nbytes <= GROUP else (v[off:off + GROUP] for off in range(0, v.nbytes, GROUP)):
+        start = 0
+        while start < v.nbytes:
+            n = min(GROUP - size, cuts[edge] - pos, v.nbytes - start)
+            part = v if n == v.nbytes else v[start:start + n]
             group.append(part)
-            size += part.nbytes
-            if size >= GROUP or len(group) == IOV_MAX:
+            start, pos, size = start + part.nbytes, pos + part.nbytes, size + part.nbytes
+            if pos == cuts[edge] or size >= GROUP or len(group) == IOV_MAX:
                 yield group
                 group, size = [], 0
+                edge += pos == cuts[edge]
     if group:
         yield group
 
@@ -143,32 +158,40 @@ def _byte_views(payload) -> list:
 
 
 class Session:
-    """An authenticated connection after the handshake. Not thread-safe: one user at a time."""
+    """An authenticated connection after the handshake, for as many frames as its users send (tcp_channel.py pools
+    them). Not thread-safe: one user at a time. The tag's nonce is direction | 64-bit frame counter: it never
+    repeats under the session's key, and a frame that fails its tag must end the session (the counter has moved on
+    only for verified frames, so the next frame's position is unknown)."""
 
     def __init__(self, sock: socket.socket, key: bytes, is_consumer: bool):
         self.sock = sock
         self.key = key
         self.send_dir, self.recv_dir = (b"D>P", b"P>D") if is_consumer else (b"P>D", b"D>P")
         self.send_seq = self.recv_seq = 0
+        self.opened = time.monotonic()
+        self._aes, self._aead = algorithms.AES(key), AESGCM(key)  # the same GMAC, streamed or in one call
 
-    def _mac(self, direction: bytes, seq: int):
-        """A GMAC in progress: `.authenticate_additional_data(bytes)` to add, `_tag` to end. Nonce: 12 bytes."""
-        return Cipher(algorithms.AES(self.key), modes.GCM(direction + b"\0" + struct.pack("!Q", seq))).encryptor()
+    @staticmethod
+    def _nonce(direction: bytes, seq: int) -> bytes:
+        return direction + b"\0" + struct.pack("!Q", seq)  # 12 bytes
 
     def send(self, header: dict, payload=b"") -> None:
         """`payload`: a buffer or a list of contiguous buffers (views of KV blocks), sent and tagged uncopied."""
-        views, h = _byte_views(payload), _canon(header)
-        head = struct.pack("!QI", 4 + len(h) + sum(v.nbytes for v in views) + TAG, len(h)) + h
-        mac = self._mac(self.send_dir, self.send_seq)
-        self.send_seq += 1
+        views, h = _byte_views(payload), json.dumps(header, separators=(",", ":")).encode()
+        size = sum(v.nbytes for v in views)
+        head = struct.pack("!QI", 4 + len(h) + size + TAG, len(h)) + h
+        nonce, self.send_seq = self._nonce(self.send_dir, self.send_seq), self.send_seq + 1
+        if not size:  # no payload: a control frame, tagged in one call
+            _move(self.sock, [memoryview(head + self._aead.encrypt(nonce, b"", head[8:]))], send=True)
+            return
+        mac = Cipher(self._aes, modes.GCM(nonce)).encryptor()
         mac.authenticate_additional_data(head[8:])
-        pending = [memoryview(head)]
-        for group in _groups(views):
-            _move(self.sock, pending + group, send=True)
-            pending = []
-            for v in group:
+        groups = list(_groups(views))
+        groups[0] = [memoryview(head)] + groups[0]
+        for i, group in enumerate(groups):
+            for v in group[i == 0:]:  # tagged first: the kernel's copy then reads bytes already in cache
                 mac.authenticate_additional_data(v)
-        _move(self.sock, pending + [memoryview(_tag(mac))], send=True)
+            _move(self.sock, group + [memoryview(_tag(mac))] if i == len(groups) - 1 else group, send=True)
 
     def recv(self, into: Optional[list] = None) -> tuple[dict, list]:
         """(header, payload views). With `into` (writable byte views), a payload must fill them exactly or be
@@ -178,7 +201,7 @@ class Session:
         n, hlen = struct.unpack("!QI", _recv_exact(self.sock, 12))
         if n > MAX_FRAME or hlen > min(n - 4 - TAG, 1 << 16):
             raise ProtocolError(f"malformed frame (length {n}, header {hlen})")
-        hbytes, size = _recv_exact(self.sock, hlen), n - 4 - hlen - TAG
+        size = n - 4 - hlen - TAG
         if into is None:
             if size > GROUP:  # the length is not authenticated before the tag: it must not size a big allocation
                 raise ProtocolError(f"payload of {size} bytes, over the {GROUP} allowed without receive buffers")
@@ -187,14 +210,28 @@ class Session:
             views = _byte_views(into) if size else []
             if size != sum(v.nbytes for v in views):
                 raise ProtocolError(f"payload of {size} bytes, expected {sum(v.nbytes for v in views)}")
-        mac = self._mac(self.recv_dir, self.recv_seq)
+        nonce = self._nonce(self.recv_dir, self.recv_seq)
+        # The header rides with the first group and the tag with the last: a small frame is one more receive.
+        hbytes, tag = memoryview(bytearray(hlen)), memoryview(bytearray(TAG))
+        if not size:
+            _move(self.sock, [hbytes, tag], send=False)
+            try:
+                self._aead.decrypt(nonce, bytes(tag), struct.pack("!I", hlen) + bytes(hbytes))
+            except InvalidTag:
+                raise ProtocolError("frame failed authentication") from None
+            self.recv_seq += 1
+            return json.loads(bytes(hbytes)), views
+        mac = Cipher(self._aes, modes.GCM(nonce)).encryptor()
         mac.authenticate_additional_data(struct.pack("!I", hlen))
-        mac.authenticate_additional_data(hbytes)
-        for group in _groups(views):
+        groups = list(_groups(views))
+        groups[0] = [hbytes] + groups[0]
+        groups[-1] = groups[-1] + [tag]
+        for group in groups:
             _move(self.sock, group, send=False)
             for v in group:
-                mac.authenticate_additional_data(v)
-        if not hmac.compare_digest(_recv_exact(self.sock, TAG), _tag(mac)):
+                if v is not tag:
+                    mac.authenticate_additional_data(v)
+        if not hmac.compare_digest(tag, _tag(mac)):
             raise ProtocolError("frame failed authentication")
         self.recv_seq += 1
         return json.loads(bytes(hbytes)), views

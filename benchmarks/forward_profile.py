@@ -1,0 +1,137 @@
+"""Where a decode step's forward goes on the small model: the op-level profile behind issue 11's small-model ratio.
+
+    .venv/bin/python benchmarks/forward_profile.py            # writes benchmarks/results/forward_profile.json
+
+For batch sizes 1, 4 and 8 (the concurrency of vs_vllm.py's small-model workload, 128 in / 32 out at 2 req/s, is
+about 3), R requests with 128-token prompts are prefilled, then decode steps are profiled with torch.profiler and
+every op's self time is put in a class: `gemm` (the linear layers and the LM head: oneDNN / MKL matmuls), `attention`
+(the K/V gather from the paged cache and the attention math), `norm_rope` (RMSNorm, rotary embedding), `other`
+(activation, residual adds, copies, indexing). The GEMMs' achieved GFLOP/s (2 x weights x rows per step) is set
+against the same machine's GEMM rate on the same shapes measured in this script (the model's own widest projection, the LM head, called alone at the
+same rows), so `gemm_share` x the step is the part
+no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can.
+Run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GEMM = ("addmm", "mm", "linear", "matmul", "mkldnn", "bmm")
+ATTN = ("scaled_dot_product", "index_select", "gather", "_softmax", "softmax", "baddbmm", "index")
+NORM = ("rms_norm", "rsqrt", "pow", "mean", "cat", "neg", "flip")
+
+
+def classify(name: str) -> str:
+    n = name.split("::")[-1]
+    if any(k in n for k in GEMM):
+        return "gemm"
+    if any(k in n for k in ATTN):
+        return "attention"
+    if any(k in n for k in NORM):
+        return "norm_rope"
+    return "other"
+
+
+def gemm_rate(model, rows: int, steps: int = 50) -> float:
+    """GFLOP/s of the model's own widest Linear (oneDNN-packed on CPU, as in the step) alone at `rows` rows: this
+    machine's GEMM rate on the step's shapes, with nothing else between the calls."""
+    import torch
+
+    from pdserve.model.layers import Linear
+    lin = max((m for m in model.modules() if isinstance(m, Linear)), key=lambda m: m.weight.numel())
+    out_f, in_f = lin.weight.shape
+    x = torch.randn(rows, in_f, dtype=lin.weight.dtype)
+    with torch.inference_mode():
+        for _ in range(5):
+            lin(x)
+        t = time.perf_counter()
+        for _ in range(steps):
+            lin(x)
+        return 2 * rows * in_f * out_f * steps / (time.perf_counter() - t) / 1e9
+
+
+def profile_rows(model: str, rows: int, steps: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve import LLM, SamplingParams
+    llm = LLM(model, max_model_len=512, max_num_seqs=max(rows, 1))
+    eng = llm.engine
+    for i in range(rows):
+        eng.add_request([3 + (i * 131 + j * 7) % 8000 for j in range(128)],
+                        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times = []
+    fwd = eng.runner.model.forward
+    spent = []
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fwd(*a, **kw)
+        finally:
+            spent.append(time.perf_counter() - t)
+    eng.runner.model.forward = timed
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    by_class, calls = defaultdict(float), 0
+    for e in prof.key_averages():
+        if e.key.startswith(("aten::", "mkldnn::")):
+            by_class[classify(e.key)] += e.self_cpu_time_total / steps / 1e3
+            calls += e.count
+    c = eng.hf_config
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    h, q, kv = c["hidden_size"], c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    weights = c["num_hidden_layers"] * (2 * h * q + 2 * h * kv + 3 * h * c["intermediate_size"]) + h * c["vocab_size"]
+    flops = 2 * weights * rows
+    total_ops = sum(by_class.values())
+    step_ms, fwd_ms = statistics.median(times) * 1e3, statistics.median(spent) * 1e3
+    gemm_ms = by_class["gemm"] * step_ms / total_ops if total_ops else 0.0  # profiler times rescaled to the clock
+    return {"rows": rows, "step_ms": step_ms, "forward_ms": fwd_ms,
+            "op_ms": {k: round(v, 3) for k, v in sorted(by_class.items())},
+            "op_share": {k: round(v / total_ops, 3) for k, v in sorted(by_class.items())},
+            "op_calls_per_step": calls // steps, "matmul_weights": weights,
+            "gemm_gflops_in_step": flops / (gemm_ms / 1e3) / 1e9 if gemm_ms else None,
+            "gemm_gflops_ceiling": gemm_rate(eng.runner.model, rows), "torch_threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: the small Qwen3 vs_vllm.py uses)")
+    ap.add_argument("--rows", default="1,4,8", help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=30, help="profiled decode steps per batch size")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/forward_profile.json"), help="JSON result path")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from pdserve.model.make_model import ensure_model
+    model = args.model or str(ensure_model("qwen3", "small", 0))
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        r = profile_rows(model, rows, args.steps)
+        results.append(r)
+        print(f"rows {rows:3d}: step {r['step_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms; op share "
+              + ", ".join(f"{k} {v:.0%}" for k, v in r["op_share"].items())
+              + f"; GEMM {r['gemm_gflops_in_step']:.0f} GFLOP/s in the step vs {r['gemm_gflops_ceiling']:.0f} "
+                "standalone", flush=True)
+    Path(args.out).write_text(json.dumps({"model": model, "results": results}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

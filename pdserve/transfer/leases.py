@@ -1,0 +1,196 @@
+"""Leases on KV a prefill node (P) holds for a decode node (D), for any transport whose D pulls and P is passive.
+
+P: a `LeaseTable` keeps each request's blocks under a transfer id until D's `done`, a release, or expiry with no
+read in flight; `lease_ops(table)` are the control-channel ops `renew` and `done` that serve it.
+D: `ask_renew`/`send_done` are their client halves over a Session; a `LeaseKeeper` renews the leases of requests
+that queue here (short of blocks or behind others) once less than half is left, and ends the wait when P says no.
+Seconds, never absolute times, cross the wire: hosts' clocks are not compared.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+logger = logging.getLogger("pdserve.transfer")
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    expiry: float  # time.monotonic() on P
+    pins: int = 0  # reads in flight: a pinned lease is never freed, whatever its expiry
+    done: bool = False
+
+
+class LeaseTable:
+    """P's open leases by transfer id. Thread-safe: the engine opens and reaps, KV server threads pin and renew."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str, block_ids: list[int]) -> str:
+        tid = uuid.uuid4().hex
+        with self._lock:
+            self.leases[tid] = Lease(request_id, list(block_ids), time.monotonic() + self.seconds)
+        return tid
+
+    def _live(self, tid: str) -> Optional[Lease]:
+        lease = self.leases.get(tid)
+        return None if lease is None or lease.done or time.monotonic() > lease.expiry else lease
+
+    def pin(self, tid: str) -> Optional[Lease]:
+        """The live lease `tid`, pinned and extended by a lease period (None: unknown, released or expired)."""
+        with self._lock:
+            if (lease := self._live(tid)) is not None:
+                lease.pins += 1
+                lease.expiry = time.monotonic() + self.seconds
+            return lease
+
+    def unpin(self, tid: str) -> None:
+        with self._lock:
+            self.leases[tid].pins -= 1
+
+    def renew(self, tid: str) -> float:
+        """Seconds left in the extended lease (D waits for blocks: extended, not pinned); 0 for none live."""
+        with self._lock:
+            if (lease := self._live(tid)) is None:
+                return 0.0
+            lease.expiry = time.monotonic() + self.seconds
+            return self.seconds
+
+    def confirm(self, tid: str) -> None:
+        """D's `done`: the lease ends once no read holds it (a repeat, or an unknown id, is harmless)."""
+        with self._lock:
+            if tid in self.leases:
+                self.leases[tid].done = True
+
+    def release(self, tid: str, request_id: str) -> bool:
+        """End the live lease `tid` of `request_id` now; False when there is none (so a repeat is harmless)."""
+        with self._lock:
+            lease = self._live(tid)
+            if lease is None or lease.request_id != request_id:
+                return False
+            lease.done = True  # a read in flight keeps its pin; reap frees the blocks after it
+            return True
+
+    def reap(self) -> tuple[set[str], int]:
+        """(request ids whose blocks may be freed now, how many of them expired rather than ended)."""
+        now, freed, expired = time.monotonic(), set(), 0
+        with self._lock:
+            for tid, lease in list(self.leases.items()):
+                if lease.pins == 0 and (lease.done or now > lease.expiry):
+                    expired += not lease.done
+                    del self.leases[tid]
+                    freed.add(lease.request_id)
+        return freed, expired
+
+    def num_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self.leases.values())
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+
+# ---- the lease ops on the control channel (a Session: send(header), recv(into=[]) -> (header, views)) ----------
+def lease_ops(table: LeaseTable, renew: Optional[Callable[[str], float]] = None) -> dict:
+    """P's handlers of `renew` (answers the seconds now left, or `expired`) and `done`, for a ControlServer.
+    `renew` replaces `table.renew` as the answer's source."""
+    renew = renew or table.renew
+
+    def on_renew(session, header: dict) -> None:
+        left = renew(str(header.get("transfer_id", "")))
+        session.send({"status": "ok", "lease_seconds": left} if left else {"status": "expired"})
+
+    def on_done(session, header: dict) -> None:
+        table.confirm(str(header.get("transfer_id", "")))
+        session.send({"status": "ok"})
+
+    return {"renew": on_renew, "done": on_done}
+
+
+def ask_renew(session, tid: str) -> float:
+    """D: extend lease `tid` on P; the seconds P now holds it, 0.0 when P has no such live lease."""
+    session.send({"op": "renew", "transfer_id": tid})
+    header, _ = session.recv(into=[])
+    return float(header.get("lease_seconds", 0)) if header.get("status") == "ok" else 0.0
+
+
+def send_done(session, tid: str) -> None:
+    session.send({"op": "done", "transfer_id": tid})
+    session.recv(into=[])
+
+
+class LeaseKeeper:
+    """D: how long P still holds the KV of each request queued here on it, kept alive while it queues.
+
+    P states its lease as seconds left; it is counted here from the request's arrival, less a tenth for the hop
+    from P. Past half of it a background `renew(params) -> seconds` (raising when P cannot be asked) extends it;
+    a lease P no longer has, or a P that cannot be reached, ends the wait (the request then prefills locally)."""
+
+    def __init__(self, default_seconds: float, renew: Callable[[dict], float], submit: Callable):
+        self.default_seconds, self.renew, self.submit = default_seconds, renew, submit
+        self._lock = threading.Lock()
+        self._renewing: set[str] = set()  # requests whose renewal is in flight
+        self._watched: list = []  # heap of (when to look again, seq, request); engine thread only
+        self._seq = 0
+
+    def _seconds(self, req) -> float:
+        return float((req.kv_transfer_params or {}).get("lease_seconds", self.default_seconds))
+
+    def time_left(self, req) -> float:
+        seconds, now = self._seconds(req), time.monotonic()
+        if req.kv_lease_end is None:
+            req.kv_lease_end = req.arrival_time + 0.9 * seconds
+        left = req.kv_lease_end - now
+        with self._lock:
+            due = 0 < left < seconds / 2 and req.request_id not in self._renewing
+            if due:
+                self._renewing.add(req.request_id)
+        if due:
+            self.submit(self._renew, req)
+        return left
+
+    def watch(self, req) -> None:
+        """Look after `req` (params checked: a peer this side may dial) until its load is tried or it ends."""
+        self._look_again(req, req.arrival_time)
+
+    def _look_again(self, req, at: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._watched, (at, self._seq, req))
+
+    def tick(self) -> None:
+        """Engine thread, every step: watched requests past half their lease get a background renewal (the queue's
+        head is also asked each step by the scheduler; this reaches the requests behind it). O(1) when none is due."""
+        now = time.monotonic()
+        while self._watched and self._watched[0][0] <= now:
+            _, _, req = heapq.heappop(self._watched)
+            if req.is_finished or req.kv_load_tried:
+                continue
+            if self.time_left(req) > 0:
+                self._look_again(req, now + max(self._seconds(req) / 8, 0.01))
+
+    def _renew(self, req) -> None:
+        sent = time.monotonic()
+        try:
+            req.kv_lease_end = sent + 0.9 * self.renew(req.kv_transfer_params)
+        except Exception as e:
+            logger.info("request %s: could not renew the producer's lease: %s", req.request_id, e)
+            req.kv_lease_end = sent
+        finally:
+            with self._lock:
+                self._renewing.discard(req.request_id)

@@ -1,0 +1,246 @@
+"""The `nixl` KV transport (vLLM's NixlConnector): D reads P's leased blocks with one-sided NIXL reads.
+
+Leases, the failure policy, compatibility checks and peer authentication stay pdserve's: D and P speak over the same
+authenticated control channel as tcp (tcp_channel.py: the KV token proves both sides and the compat fields are
+compared before any op), and only there does P hand out its NIXL metadata. UCX itself authenticates nothing and
+listens on every interface: with loopback KV endpoints it is kept on `lo` (UCX_NET_DEVICES, unless set).
+
+Producer (P) lifecycle of a request (nixl_producer.py):
+1. a request with `kv_transfer_params.do_remote_decode` prefills and samples its one token as usual;
+2. `request_finished` keeps its blocks under a lease (leases.py) and returns the params D needs (engine, control
+   endpoint, transfer id, remote_block_ids, prompt length and hash, `lease_seconds`, `kv_connector`), which the
+   engine signs;
+3. the control server answers, on authenticated sessions only: `nixl_meta` (P's agent metadata and block layout),
+   `renew` (as tcp), and `claim`: it pins the lease for the claiming D agent and answers the blocks and a hold of
+   kv_lease_seconds + kv_transfer_timeout. A one-sided read cannot be refused nor seen, so the claim is what tells P
+   that one may be in flight;
+4. P's UCX worker serves D's read in its progress thread (niced to kv_server_nice, as tcp's server threads); the
+   read's notification (the transfer id, from the claiming agent, seen by `get_finished`) unpins and ends the
+   lease, and so does a `done` naming that agent; a claim whose hold ran out is unpinned too, since D has given up
+   on that read by then. A bare `done` or the router's `release_lease` ends an unclaimed lease at once;
+5. a lease that is unpinned and ended, or past its expiry, is released: `get_finished` hands the request id to the
+   scheduler, which frees the blocks.
+
+Consumer (D) lifecycle of a request (nixl_consumer.py):
+1. the tcp consumer's checks (peer in `kv_peers`, prompt length and hash) of params a NixlConnector made;
+2. the scheduler allocates blocks and parks the request in WAITING_FOR_REMOTE_KV; queued short of blocks, its lease
+   is renewed over the control channel, as tcp's;
+3. `start_load_kv`: on a loader thread, over a pooled session to P: `claim`, then (once per P agent) `nixl_meta`
+   and `add_peer` (P's descriptor list prepared once), then one prepared READ of the claimed blocks into the
+   request's own, notifying the transfer id;
+4. a poller thread follows each read: DONE within its deadline (kv_transfer_timeout from the load's start, and never
+   past the claim's hold) reports the load done; ERR (P died: ~20 ms after a SIGKILL) reports it failed (and tells
+   P `done`, should it live), and the scheduler's failure policy recomputes or fails the request; any failure
+   before the post (handshake refused, lease expired, P unreachable) is a failed load too; still in flight at the
+   deadline (a hung P), the policy runs at once, but the blocks under the read move to a stand-in in the
+   scheduler's deferred_free, freed only once the read ends: a posted read cannot be cancelled and would write
+   them whenever P answers;
+5. an agent a read failed on is removed once none of its reads is in flight; a P restarted on the same address
+   answers its claim with a new agent, which is added. Requests D prefills itself send P a bare `done`, as tcp's.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+import uuid
+from contextlib import suppress
+from typing import Optional
+
+from pdserve.config import LOOPBACK
+from pdserve.request import Request
+from pdserve.transfer import nixl_agent
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, register_connector
+from pdserve.transfer.leases import Lease, LeaseTable
+from pdserve.transfer.nixl_consumer import NAME, NixlConsumer
+from pdserve.transfer.nixl_producer import NixlProducer
+from pdserve.transfer.tcp_blocks import TransferStats
+
+logger = logging.getLogger("pdserve.transfer")
+INSTALL = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+# vLLM's NixlPromMetrics: its histograms (fed per DONE read from NIXL's telemetry), buckets included, and counters.
+HISTOGRAMS = {"xfer_time_seconds": _SECONDS[1:], "post_time_seconds": _SECONDS,
+              "bytes_transferred": tuple(2 ** (10 + i) for i in range(1, 25, 2)),
+              "num_descriptors": (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)}
+TELEMETRY = {"xfer_time_seconds": "xfer_duration_s", "post_time_seconds": "post_duration_s",
+             "bytes_transferred": "bytes", "num_descriptors": "descriptors"}
+COUNTERS = ("num_failed_transfers", "num_failed_notifications", "num_kv_expired_reqs")
+
+
+class NixlStats:
+    """The `pdserve_nixl_*` series: per-bucket counts and sums of the histograms, and the counters. Thread-safe."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.hist = {k: ([0] * (len(b) + 1), [0.0]) for k, b in HISTOGRAMS.items()}  # last count: over every bucket
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    def observe(self, telemetry: dict) -> None:
+        with self.lock:
+            for key, buckets in HISTOGRAMS.items():
+                v = telemetry[TELEMETRY[key]]
+                counts, total = self.hist[key]
+                counts[bisect.bisect_left(buckets, v)] += 1  # Prometheus buckets hold values <= their bound
+                total[0] += v
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[name] += n
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            hist = {k: {"buckets": list(zip(HISTOGRAMS[k], _cumsum(c))), "count": sum(c), "sum": s[0]}
+                    for k, (c, s) in self.hist.items()}
+            return {"histograms": hist, "counters": dict(self.counters)}
+
+
+def _cumsum(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts[:-1]:
+        acc += c
+        out.append(acc)
+    return out
+
+
+def _ucx_env(config) -> None:
+    """Before the first agent of the process starts UCX (which reads them then, once per process)."""
+    os.environ.setdefault("UCX_TLS", nixl_agent.DEFAULT_UCX_TLS)
+    hosts = [config.kv_host] if config.kv_role != "kv_consumer" else []
+    if config.kv_role != "kv_producer":  # no kv_peers: D dials loopback only
+        hosts += [p.rsplit(":", 1)[0].strip("[]") for p in config.kv_peers] or ["127.0.0.1"]
+    if "UCX_NET_DEVICES" in os.environ:
+        return
+    if all(h in LOOPBACK for h in hosts):
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    else:
+        logger.warning("NIXL: UCX listens on every interface; set UCX_NET_DEVICES to the KV network's (e.g. eth0)")
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")} if os.path.isdir("/proc/self/task") else set()
+
+
+@register_connector(NAME)
+class NixlConnector(KVConnector):
+    def __init__(self, config, engine):
+        if not nixl_agent.available():
+            raise RuntimeError(f"kv_transfer_config.kv_connector {NAME} needs nixl, which is not importable here: "
+                               f"{INSTALL}")
+        super().__init__(config, engine)
+        _ucx_env(config)
+        self.block_size, token = engine.config.cache.block_size, config.auth_token().encode()
+        self.stats, self.nstats, self.lease_table = TransferStats(), NixlStats(), LeaseTable(config.kv_lease_seconds)
+        self.agent: Optional[nixl_agent.NixlAgent] = None
+        self.producer = self.consumer = None
+        if config.kv_role in ("kv_producer", "kv_both"):
+            self.producer = NixlProducer(config, token, engine.compat_fields(), self.block_size, self.lease_table,
+                                         self.stats)
+            self.port = self.producer.port
+        if config.kv_role in ("kv_consumer", "kv_both"):
+            self.consumer = NixlConsumer(config, token, engine.compat_fields(), self.block_size, self.stats,
+                                         self.nstats, engine)
+            self.pool = self.consumer.pool
+
+    @property
+    def _lock(self):  # what the engine holds while it copies `stats`
+        return self.stats.lock
+
+    @property
+    def leases(self) -> dict[str, Lease]:
+        return self.lease_table.leases
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        super().register_kv_caches(kv_caches)
+        # A fresh name per start: D tells a restarted P (same address) from the agent it had added.
+        name = f"{self.config.engine_id or self.config.kv_role}-{uuid.uuid4().hex[:12]}"
+        before = _threads()
+        self.agent = nixl_agent.NixlAgent(name, kv_caches)
+        if self.producer is not None:
+            self.producer.agent = self.agent
+            # UCX's progress thread serves D's reads (over tcp it copies every byte): P's KV server, niced as
+            # tcp's server threads are, so a busy P's engine keeps its share of the core.
+            for tid in _threads() - before:
+                with suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, self.config.kv_server_nice)
+        if self.consumer is not None:
+            self.consumer.attach(self.agent)
+
+    def nixl_stats(self) -> dict:
+        return self.nstats.snapshot()
+
+    # ---- producer ------------------------------------------------------------------------------------------
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        return self.producer.request_finished(req, block_ids) if self.producer is not None else (False, None)
+
+    def leased_blocks(self) -> int:
+        return self.lease_table.num_blocks()
+
+    def release_lease(self, tid: str, request_id: str) -> bool:
+        """P: the router's release (POST /v1/kv/release) of a lease no decode node took; a claimed one stays
+        pinned until its reader's notification or hold."""
+        return self.lease_table.release(tid, request_id)
+
+    # ---- consumer ------------------------------------------------------------------------------------------
+    def _d(self) -> NixlConsumer:
+        if self.consumer is None:
+            raise RuntimeError("this NixlConnector is kv_producer: it reads from no producer")
+        return self.consumer
+
+    def peer_allowed(self, host: str, port: int) -> bool:
+        return self._d().peer_allowed(host, port)
+
+    def check_remote(self, params: dict) -> float:
+        return self._d().check_remote(params)
+
+    def release_remote(self, params: dict, request_id: str) -> bool:
+        return self.consumer is not None and self.consumer.release_remote(params, request_id)
+
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        return self.consumer.get_num_new_matched_tokens(req, num_local_computed) if self.consumer else 0
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        self._d().update_state_after_alloc(req, block_ids, num_local_computed)
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        return self.consumer.build_connector_meta() if self.consumer is not None else ConnectorMeta()
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        if meta.loads:
+            self._d().start_load_kv(meta)
+
+    def lease_time_left(self, req: Request) -> float:
+        return self.consumer.lease_time_left(req) if self.consumer is not None else 0.0
+
+    def watch_lease(self, req: Request) -> None:
+        if self.consumer is not None:
+            self.consumer.watch_lease(req)
+
+    def request_abandoned(self, req: Request) -> None:
+        if self.consumer is not None:
+            self.consumer.request_abandoned(req)
+
+    # ---- both ----------------------------------------------------------------------------------------------
+    def get_finished(self) -> FinishedTransfers:
+        out = FinishedTransfers()
+        if self.consumer is not None:
+            self.consumer.tcp.keeper.tick()
+            out.done_recving, out.failed = self.consumer.take_finished()
+        if self.producer is not None and self.agent is not None:
+            self.producer.poll()
+        out.done_sending, expired = self.lease_table.reap()
+        self.stats.count("lease_expired", expired)
+        if expired:
+            self.nstats.count("num_kv_expired_reqs", expired)
+        return out
+
+    def has_pending(self) -> bool:
+        return bool(self.lease_table) or (self.consumer is not None and self.consumer.has_pending())
+
+    def shutdown(self) -> None:
+        for role in (self.producer, self.consumer):
+            if role is not None:
+                role.shutdown()
+        if self.agent is not None:
+            self.agent.close()

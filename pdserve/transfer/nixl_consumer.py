@@ -1,0 +1,295 @@
+"""D's side of the `nixl` transport (nixl.py has both lifecycles): claims over the control channel, one-sided reads.
+
+The tcp consumer (tcp_consumer.py) does everything that does not move KV: it checks params, keeps leases of queued
+requests alive, renews and releases (`check_remote`, `release_remote`), and sends the bare `done`s. Here: a loader
+thread claims the lease over a pooled session and posts one prepared READ; one poller thread follows every read to
+its end. A posted read cannot be cancelled, so the blocks under it stay out of use until it ends in DONE or ERR,
+even when the request has moved on (the failure policy ran at the deadline, or the request was aborted).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+from pdserve.request import Request
+from pdserve.transfer.base import ConnectorMeta, LoadJob
+from pdserve.transfer.nixl_agent import NixlError, Transfer
+from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
+from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
+from pdserve.transfer.tcp_consumer import TcpConsumer
+
+logger = logging.getLogger("pdserve.transfer")
+NAME = "NixlConnector"  # params P made carry it, so a MultiConnector's tcp child leaves them to this one
+POLL_SECONDS = 0.0005  # between polls of the reads in flight: a spinning poll slows UCX's own progress
+
+
+def made_here(params: Optional[dict]) -> bool:
+    return (params or {}).get("kv_connector") == NAME
+
+
+@dataclass(eq=False)
+class _Read:
+    job: LoadJob
+    xfer: Transfer
+    peer: str  # P's agent name
+    endpoint: tuple  # P's control channel (host, port)
+    queued: float
+    deadline: float  # past it D never uses what the read wrote: P's hold on the blocks may be over
+    overdue: bool = False
+    report_as: Optional[str] = None  # the deferred_free entry that holds its blocks once overdue
+
+
+class NixlConsumer:
+    def __init__(self, config, token: bytes, compat: dict, block_size: int, stats: TransferStats, nstats, engine):
+        self.config, self.stats, self.nstats, self.engine = config, stats, nstats, engine
+        self.tcp = TcpConsumer(config, token, compat, block_size, KVBlocks(), stats)
+        self.pool, self.agent = self.tcp.pool, None
+        self._cv = threading.Condition()
+        self._reads: list[_Read] = []
+        self._events: list[tuple] = []  # (kind, request id, why, read): for the engine thread
+        self._loading = 0  # loads between their start and their post (or failure)
+        self._agents: dict[tuple, str] = {}  # P's endpoint -> its agent's name, once added
+        self._users: Counter = Counter()  # agent name -> loads that resolved it and whose read has not ended
+        self._suspect: set[str] = set()  # agents a read failed on: removed once none is in use
+        self._peer_lock = threading.Lock()  # one add_peer per agent
+        self._loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-nixl-load")
+        self._closed = False
+
+    def attach(self, agent) -> None:
+        self.agent = agent
+        threading.Thread(target=self._poll, name="kv-nixl-poll", daemon=True).start()
+
+    # ---- what the tcp consumer answers, for params made by a NixlConnector -------------------------------------
+    def peer_allowed(self, host: str, port: int) -> bool:
+        return self.tcp.peer_allowed(host, port)
+
+    def check_remote(self, params: dict) -> float:
+        return self.tcp.check_remote(params) if made_here(params) else 0.0
+
+    def release_remote(self, params: dict, request_id: str) -> bool:
+        return made_here(params) and self.tcp.release_remote(params, request_id)
+
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        if not made_here(req.kv_transfer_params):
+            return 0
+        return self.tcp.get_num_new_matched_tokens(req, num_local_computed)
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        self.tcp.update_state_after_alloc(req, block_ids, num_local_computed)
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        return self.tcp.build_connector_meta()
+
+    def lease_time_left(self, req: Request) -> float:
+        return self.tcp.lease_time_left(req)
+
+    def watch_lease(self, req: Request) -> None:
+        if made_here(req.kv_transfer_params):
+            self.tcp.watch_lease(req)
+
+    def request_abandoned(self, req: Request) -> None:
+        if made_here(req.kv_transfer_params):
+            self.tcp.request_abandoned(req)
+
+    # ---- loads ---------------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        bare = [j for j in meta.loads if not j.dst_blocks]
+        if bare:  # a `done` that only releases P's lease: the tcp consumer's, over the same control channel
+            self.tcp.start_load_kv(ConnectorMeta(bare))
+        for job in meta.loads:
+            if job.dst_blocks:
+                with self._cv:
+                    self._loading += 1
+                self._loaders.submit(self._load, job, time.monotonic())
+
+    def _endpoint(self, params: dict) -> tuple[str, int]:
+        host, port = str(params.get("remote_host")), int(params.get("remote_port", -1))
+        if not self.peer_allowed(host, port):
+            raise ValueError(f"KV peer {host}:{port} is not in kv_peers")
+        return host, port
+
+    def _load(self, job: LoadJob, queued: float) -> None:
+        """Claim, then post; the read's end is the poller's. Nothing is posted on any failure here, so the
+        request's blocks go with the failure policy."""
+        tid, claim, endpoint = str(job.params.get("transfer_id")), None, None
+        try:
+            endpoint = self._endpoint(job.params)
+            until = queued + self.config.kv_transfer_timeout
+            claim = self.pool.call(*endpoint, until, lambda s: self._claim(s, endpoint, job, until))
+            name, src, deadline = claim
+            if time.monotonic() >= deadline:
+                raise TimeoutError("the deadline passed before the read was posted")
+            xfer = self.agent.read(name, src, job.dst_blocks, tid.encode())
+            with self._cv:
+                self._reads.append(_Read(job, xfer, name, endpoint, queued, deadline))
+                self._cv.notify()
+        except Exception as e:
+            cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
+            self.stats.count(cause)
+            self.nstats.count("num_failed_transfers")
+            logger.warning("request %s: NIXL load failed (%s): %s", job.request_id, cause, e)
+            with self._cv:
+                self._events.append(("failed", job.request_id, f"KV load failed ({cause}): {e}", None))
+            if claim is not None:  # claimed, nothing posted: P may free the blocks now
+                self._release_agent(claim[0], suspect=isinstance(e, NixlError))
+                self._tell_done(endpoint, tid)
+        finally:
+            with self._cv:
+                self._loading -= 1
+
+    def _claim(self, session, endpoint: tuple, job: LoadJob, until: float) -> tuple[str, list[int], float]:
+        """P pins the lease for this agent and answers its own agent, the blocks and how long it holds them; P's
+        agent is added on first sight (its metadata only ever travels over an authenticated session). Safe to redo:
+        P counts one claim per agent."""
+        tid, sent = job.params["transfer_id"], time.monotonic()
+        session.send({"op": "claim", "transfer_id": tid, "agent": self.agent.name, "start": job.src_start,
+                      "count": len(job.dst_blocks)})
+        header, _ = session.recv(into=[])
+        if header.get("status") != "ok" or len(header.get("block_ids", ())) != len(job.dst_blocks):
+            raise ProtocolError(f"producer answered {header.get('status')!r} to the claim of transfer {tid}")
+        name, meta = str(header["agent"]), None
+        while True:  # the metadata round trip runs outside the lock: the poller takes it too
+            with self._peer_lock:
+                if name in self.agent.peers or meta is not None:
+                    if name not in self.agent.peers:
+                        old = self._agents.get(endpoint)
+                        self.agent.add_peer(*meta)
+                        self._agents[endpoint] = name
+                        if old is not None and old != name:  # P restarted: its old agent goes once no read needs it
+                            self._suspect.add(old)
+                            self._forget_if_unused(old)
+                    self._users[name] += 1
+                    break
+            session.send({"op": "nixl_meta"})
+            answer, views = session.recv()
+            if answer.get("status") != "ok" or not views:
+                raise ProtocolError(f"producer answered {answer.get('status')!r} for its NIXL metadata")
+            meta = (bytes(views[0]), answer["layout"])
+        # P's hold starts when the claim reaches it, after `sent`: this side gives up on the read first.
+        return name, [int(b) for b in header["block_ids"]], min(until, sent + float(header["hold_seconds"]))
+
+    def _release_agent(self, name: str, suspect: bool = False) -> None:
+        """One use of agent `name` ended. A suspect agent (a read of it failed, or P moved to a new one) is removed
+        once no use is left: remove_peer would force-release reads still in flight, which go on writing."""
+        with self._peer_lock:
+            self._users[name] -= 1
+            if suspect:
+                self._suspect.add(name)
+            self._forget_if_unused(name)
+
+    def _forget_if_unused(self, name: str) -> None:  # under _peer_lock
+        if name in self._suspect and self._users[name] <= 0:
+            self._suspect.discard(name)
+            del self._users[name]
+            self._agents = {k: v for k, v in self._agents.items() if v != name}
+            self.agent.remove_peer(name)
+
+    def _tell_done(self, endpoint: Optional[tuple], tid: str) -> None:
+        """P frees a claimed lease on `done` from its claimant (D will use nothing a read of it wrote); when this
+        fails P frees at the claim's hold instead (vLLM's failed notification)."""
+        try:
+            until = time.monotonic() + self.config.kv_transfer_timeout
+            self.pool.call(*endpoint, until, lambda s: (s.send({"op": "done", "transfer_id": tid,
+                                                                 "agent": self.agent.name}), s.recv(into=[])))
+        except Exception as e:
+            self.nstats.count("num_failed_notifications")
+            logger.info("transfer %s: could not tell the producer it may free the blocks: %s", tid, e)
+
+    def _poll(self) -> None:
+        while True:
+            with self._cv:
+                while not self._reads and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                reads = list(self._reads)
+            for r in reads:
+                state = self.agent.poll(r.xfer)  # raises nothing: a broken read is ERR
+                now = time.monotonic()  # after the poll: a DONE seen by then completed by then
+                if state != "PROC":
+                    self._end(r, state, now)
+                elif now > r.deadline and not r.overdue:
+                    r.overdue = True
+                    self.nstats.count("num_failed_transfers")
+                    self.stats.count("timeout")
+                    logger.warning("request %s: NIXL read not done within its deadline: the failure policy runs, "
+                                   "its blocks stay out of use until the read ends", r.job.request_id)
+                    self._event("overdue", r, "KV load failed (timeout): NIXL read not done within its deadline")
+            time.sleep(POLL_SECONDS)
+
+    def _end(self, r: _Read, state: str, now: float) -> None:
+        used = state == "DONE" and not r.overdue
+        if used:
+            try:
+                self.nstats.observe(self.agent.telemetry(r.xfer))
+            except NixlError as e:
+                logger.debug("no NIXL telemetry: %s", e)
+            with self.stats.lock:
+                self.stats.bytes_received += r.xfer.nbytes
+                self.stats.seconds_receiving += now - r.queued
+        elif not r.overdue:
+            self.nstats.count("num_failed_transfers")
+            self.stats.count("nixl_read_error")
+        self.agent.release(r.xfer)
+        with self._cv:
+            self._reads.remove(r)
+        self._release_agent(r.peer, suspect=state == "ERR")
+        if state == "ERR" and not r.overdue:  # P may be alive (then it frees now), or gone (then nothing is lost)
+            with suppress(RuntimeError):  # shut down meanwhile
+                self._loaders.submit(self._tell_done, r.endpoint, str(r.job.params.get("transfer_id")))
+        self._event("done" if used else "ended" if r.overdue else "failed", r, "KV load failed: NIXL read error")
+
+    def _event(self, kind: str, r: _Read, why: str) -> None:
+        with self._cv:
+            self._events.append((kind, r.job.request_id, why, r))
+
+    def take_finished(self) -> tuple[set[str], dict[str, str]]:
+        """Engine thread. An overdue read's request goes on now (the failure policy) without its blocks: they move
+        to a stand-in in the scheduler's deferred_free (as those of a request finished while loading), freed when
+        the read ends."""
+        done, failed = self.tcp.take_finished()
+        with self._cv:
+            events, self._events = self._events, []
+        for kind, rid, why, r in events:
+            if kind == "done":
+                done.add(rid)
+            elif kind == "failed":
+                failed[rid] = why
+            elif kind == "overdue":
+                r.report_as = self._quarantine(rid)
+                if r.report_as != rid:
+                    failed[rid] = why
+            elif r.report_as is not None:  # "ended": the overdue read is over, its blocks may be reused
+                failed[r.report_as] = why
+        return done, failed
+
+    def _quarantine(self, rid: str) -> Optional[str]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        if rid in sched.deferred_free:  # finished while loading: its blocks are already held until we report
+            return rid
+        if rid not in sched.loading:
+            return None
+        standin = f"{rid}#nixl-read-{uuid.uuid4().hex[:8]}"
+        kv.req_blocks[standin] = kv.req_blocks.pop(rid, [])
+        sched.deferred_free[standin] = SimpleNamespace(request_id=standin)
+        return standin
+
+    def has_pending(self) -> bool:
+        with self._cv:
+            mine = bool(self._reads or self._events or self._loading)
+        return mine or self.tcp.has_pending()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._loaders.shutdown(wait=False, cancel_futures=True)
+        self.tcp.shutdown()

@@ -1,0 +1,118 @@
+"""P's side of the `nixl` transport (nixl.py has both lifecycles): leases, claims, and the control server.
+
+D's reads are one-sided: P neither sees nor can refuse them. What P knows comes over the authenticated control
+channel (a `claim` before D posts, a `done`) and from NIXL (the read's notification, sent once it completed), so a
+leased block stays pinned from a claim until its claimant's notification or `done`, or until the claim's hold ends
+(by then D has given up on the read and uses nothing it wrote).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from pdserve.core.kv_cache_manager import cdiv
+from pdserve.request import Request, RequestStatus
+from pdserve.transfer.leases import LeaseTable, lease_ops, prompt_hash
+from pdserve.transfer.nixl_consumer import NAME
+from pdserve.transfer.tcp_blocks import TransferStats
+from pdserve.transfer.tcp_channel import ControlServer
+
+logger = logging.getLogger("pdserve.transfer")
+
+
+class NixlProducer:
+    """P: the control server (claims, metadata, lease ops) and the claims D's reads hold on leases."""
+
+    def __init__(self, config, token: bytes, compat: dict, block_size: int, leases: LeaseTable,
+                 stats: TransferStats):
+        self.config, self.block_size, self.leases, self.stats = config, block_size, leases, stats
+        self.hold = config.kv_lease_seconds + config.kv_transfer_timeout
+        self.agent, self.meta_served, self._lock = None, 0, threading.Lock()
+        self.claims: dict[str, dict[str, tuple[float, int]]] = {}  # tid -> {D agent: (hold ends, blocks claimed)}
+        ops = {**lease_ops(leases), "done": self._done, "claim": self._claim, "nixl_meta": self._meta}
+        self.server = ControlServer(
+            config.kv_host, config.kv_port, token, compat, ops, tls=config.tls_server_context(),
+            handshake_timeout=config.kv_transfer_timeout, wait_timeout=max(5.0, config.kv_lease_seconds),
+            idle_seconds=float(config.kv_connector_extra_config.get("session_idle_seconds", 60.0)),
+            nice=config.kv_server_nice, count=stats.count)
+        self.port = self.server.port
+        logger.info("NIXL KV control server listening on %s:%d", config.kv_host, self.port)
+
+    def _meta(self, session, header: dict) -> None:
+        with self._lock:
+            self.meta_served += 1
+        session.send({"status": "ok", "layout": self.agent.layout()}, self.agent.metadata())
+
+    def _claim(self, session, header: dict) -> None:
+        tid, who = str(header.get("transfer_id", "")), str(header.get("agent", ""))
+        start, count = int(header.get("start", 0)), int(header.get("count", 0))
+        with self._lock:
+            held = self.claims.setdefault(tid, {})
+            lease = self.leases.leases.get(tid) if who in held else self.leases.pin(tid)  # a redo: pinned already
+            ok = lease is not None and bool(who) and count > 0 and 0 <= start and start + count <= len(lease.block_ids)
+            if ok:
+                held[who] = (time.monotonic() + self.hold, count)
+            elif lease is not None and who not in held:
+                self.leases.unpin(tid)
+            if not held:
+                del self.claims[tid]
+        if not ok:
+            session.send({"status": "expired" if lease is None else "error", "error": "bad claim"})
+            return
+        session.send({"status": "ok", "agent": self.agent.name, "block_ids": lease.block_ids[start:start + count],
+                      "hold_seconds": self.hold})
+
+    def _done(self, session, header: dict) -> None:
+        tid = str(header.get("transfer_id", ""))
+        self.leases.confirm(tid)
+        if header.get("agent"):  # its claimant: D uses nothing that agent's read wrote, or it never posted one
+            self._unclaim(tid, str(header["agent"]))
+        session.send({"status": "ok"})
+
+    def _unclaim(self, tid: str, who: str, confirm: bool = False) -> Optional[int]:
+        """Drop `who`'s claim on `tid` (ending the lease first if `confirm`); the blocks it claimed, None if none."""
+        with self._lock:
+            held = self.claims.get(tid, {})
+            if who not in held:
+                return None
+            if confirm:
+                self.leases.confirm(tid)
+            _, count = held.pop(who)
+            if not held:
+                del self.claims[tid]
+            self.leases.unpin(tid)
+            return count
+
+    def poll(self) -> None:
+        """Engine thread: notifications of finished reads, and claims whose hold ran out."""
+        for who, msgs in self.agent.notifs().items():
+            for msg in msgs:
+                count = self._unclaim(msg.decode(errors="replace"), who, confirm=True)
+                if count is None:  # not from the agent that claimed it (or late): it proves nothing
+                    self.stats.count("nixl_unexpected_notification")
+                    continue
+                with self.stats.lock:
+                    self.stats.bytes_sent += count * self.agent.num_regions * self.agent.chunk_bytes
+        now = time.monotonic()
+        with self._lock:
+            late = [(tid, who) for tid, held in self.claims.items() for who, (until, _) in held.items() if now > until]
+        for tid, who in late:
+            self._unclaim(tid, who)
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        params, n = req.kv_transfer_params or {}, req.num_prompt_tokens
+        if not params.get("do_remote_decode") or n < 2 or req.status not in (RequestStatus.FINISHED_STOPPED,
+                                                                             RequestStatus.FINISHED_LENGTH):
+            return False, None
+        tid = self.leases.open(req.request_id, block_ids)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+                      "remote_engine_id": self.config.engine_id, "remote_request_id": req.request_id,
+                      "remote_host": self.config.kv_advertise_host or self.config.kv_host, "remote_port": self.port,
+                      "remote_block_ids": list(block_ids[:cdiv(n - 1, self.block_size)]),
+                      "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
+                      "lease_seconds": self.config.kv_lease_seconds, "kv_connector": NAME}
+
+    def shutdown(self) -> None:
+        self.server.close()

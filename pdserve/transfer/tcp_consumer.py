@@ -1,0 +1,204 @@
+"""D's side of the tcp transport: checks remote-prefill params, pulls KV over pooled sessions, keeps leases alive.
+
+Consumer (D) lifecycle of a request:
+1. `get_num_new_matched_tokens` checks the params (peer in `kv_peers`, prompt length, prompt hash against D's own
+   token ids) and offers the n - 1 prompt tokens beyond D's own prefix-cache hit;
+2. the scheduler allocates blocks (for the replay's token too), parks the request in WAITING_FOR_REMOTE_KV (no
+   token budget spent) and `update_state_after_alloc` queues the load; short of blocks, it keeps its place in the
+   queue while `lease_time_left` lasts (P's `lease_seconds` from the request's arrival here, x0.9 for the hop),
+   renewed in the background (`renew`, as `check_remote`) once less than half of that is left, for every request
+   queued on a lease (`watch_lease`), then prefills locally; a request that reaches the head after its lease ended
+   is not pulled;
+3. `start_load_kv` pulls on a worker thread, over a session to P from the pool (a handshake only when no idle one
+   is left): reads of up to 64 blocks per frame, all asked at once (the last one also says `done`) and received
+   straight into D's own blocks; the whole pull, counted from when it was queued, has `kv_transfer_timeout`, and any
+   failure drops the session (the next transfer dials anew);
+4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
+   scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
+   (params rejected, the lease ran out while blocks were short, all cached here) still sends P a bare `done` for
+   its lease, and so does a request D refuses or drops before asking for its load (a 400 or 503 answer, an abort
+   while queued): `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.config import LOOPBACK
+from pdserve.request import Request
+from pdserve.transfer.base import ConnectorMeta, LoadJob, load_job
+from pdserve.transfer.leases import LeaseKeeper, ask_renew, prompt_hash, send_done
+from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
+from pdserve.transfer.tcp_blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
+from pdserve.transfer.tcp_pool import SessionPool
+
+logger = logging.getLogger("pdserve.transfer")
+
+
+class TcpConsumer:
+    def __init__(self, config, token: bytes, compat: dict, block_size: int, blocks: KVBlocks, stats: TransferStats):
+        self.config, self.block_size, self.blocks, self.stats = config, block_size, blocks, stats
+        self.pool = SessionPool(token, compat, config.tls_client_context(), wait_timeout=config.kv_transfer_timeout,
+                                max_idle=float(config.kv_connector_extra_config.get("session_idle_seconds", 60.0)) / 2)
+        self._lock = threading.Lock()
+        self._queued: list[LoadJob] = []  # engine thread only
+        self._inflight: set[str] = set()
+        self._done: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
+        self.keeper = LeaseKeeper(config.kv_lease_seconds, self.check_remote, self._loaders.submit)
+
+    def peer_allowed(self, host: str, port: int) -> bool:
+        peers = self.config.kv_peers
+        return f"{host}:{port}" in peers if peers else host in LOOPBACK
+
+    def _peer(self, params: dict) -> tuple[str, int]:
+        """(host, port) of the producer `params` name, if this side may dial it; else ValueError."""
+        try:
+            host, port = str(params["remote_host"]), int(params["remote_port"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("kv_transfer_params name no KV endpoint (remote_host, remote_port)") from None
+        if not self.peer_allowed(host, port):
+            raise ValueError(f"KV peer {host}:{port} is not in kv_peers")
+        return host, port
+
+    def check_remote(self, params: dict) -> float:
+        """Seconds P still holds the lease `params` name (asking extends it, as a `renew`); 0.0 when P answers it
+        has no such live lease. Raises ValueError for a peer outside kv_peers, and ConnectionError, ProtocolError
+        or TimeoutError (within kv_transfer_timeout) when P cannot be asked. Thread-safe."""
+        host, port = self._peer(params)
+        tid = str(params.get("transfer_id") or "")
+        if not tid:
+            raise ValueError("kv_transfer_params name no transfer_id")
+        until = time.monotonic() + self.config.kv_transfer_timeout
+        return self.pool.call(host, port, until, lambda session: ask_renew(session, tid))
+
+    def release_remote(self, params: dict, request_id: str) -> bool:
+        """A bare `done` now for remote-prefill `params` this side will never load (the request was refused with a
+        400 or 503, or aborted before its load was asked for), so P's lease ends at once rather than at expiry. The
+        caller has checked the router's proof; only a peer in `kv_peers` is dialed. True if the `done` is on its way."""
+        if not params.get("transfer_id"):
+            return False
+        try:
+            self._peer(params)
+        except ValueError as e:
+            logger.warning("request %s: not releasing the producer's lease: %s", request_id, e)
+            return False
+        self.start_load_kv(ConnectorMeta([LoadJob(request_id, dict(params), 0, [])]))
+        return True
+
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        p = req.kv_transfer_params or {}
+        if not p.get("do_remote_prefill"):
+            return 0
+        n = req.num_prompt_tokens
+        why, peer_ok = None, self.peer_allowed(str(p.get("remote_host")), int(p.get("remote_port", -1)))
+        if not peer_ok:
+            why = f"KV peer {p.get('remote_host')}:{p.get('remote_port')} is not in kv_peers"
+        elif p.get("num_prompt_tokens") != n or p.get("prompt_hash") != prompt_hash(req.prompt_token_ids):
+            why = "prompt hash mismatch (different tokenization on P and D)"
+        if why:
+            req.kv_load_error = why
+            self.stats.count("rejected")
+            logger.warning("request %s: not loading remote KV: %s", req.request_id, why)
+            if peer_ok:  # a peer this side may dial: tell it to free the lease now (never dial one outside kv_peers)
+                self._queued.append(LoadJob(req.request_id, dict(p), 0, []))
+            return 0
+        if num_local_computed >= n - 1:  # all cached here: nothing to pull, but P must hear `done` to free its
+            self._queued.append(LoadJob(req.request_id, dict(p), 0, []))  # lease now, not at expiry (as vLLM's Nixl)
+            return 0
+        return n - 1 - num_local_computed
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        """`block_ids` empty: the lease ran out while blocks were short and D prefills locally; only P's lease is
+        released."""
+        self._queued.append(load_job(req, block_ids, num_local_computed, self.block_size))
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        meta, self._queued = ConnectorMeta(self._queued), []
+        return meta
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        for job in meta.loads:
+            with self._lock:
+                self._inflight.add(job.request_id)
+            self._loaders.submit(self._pull, job, time.monotonic())
+
+    def _pull(self, job: LoadJob, queued: float) -> None:
+        """A load, or with no `dst_blocks` a bare `done` that only releases P's lease. Either has
+        kv_transfer_timeout from `queued` in all (time spent waiting for a worker counts)."""
+        p, t0, bare = job.params, time.monotonic(), not job.dst_blocks
+        try:
+            host, port = self._peer(p)
+            self.pool.call(host, port, queued + self.config.kv_transfer_timeout, lambda s: self._transfer(s, job))
+            if not bare:  # a bare done is nobody's load: the request already prefills here
+                with self._lock:
+                    self._done.add(job.request_id)
+        except Exception as e:
+            cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
+            if bare:  # P frees the lease at expiry instead
+                logger.info("request %s: could not release the producer's lease (%s): %s", job.request_id, cause, e)
+            else:  # every failed load ends in the scheduler's failure policy
+                self.stats.count(cause)
+                logger.warning("request %s: KV load failed (%s): %s", job.request_id, cause, e)
+                with self._lock:
+                    self._failed[job.request_id] = f"KV load failed ({cause}): {e}"
+        finally:
+            with self.stats.lock:
+                self.stats.seconds_receiving += 0.0 if bare else time.monotonic() - t0
+            with self._lock:
+                self._inflight.discard(job.request_id)
+
+    def _transfer(self, session, job: LoadJob) -> None:
+        """Every read goes out first, so P sends the next batch while this side receives the previous one; the last
+        read carries `done` (P ends the lease once it has sent that batch; a session broken before then leaves the
+        lease to expire). Safe to redo from the start (SessionPool.call)."""
+        tid = job.params["transfer_id"]
+        batches = [job.dst_blocks[i:i + BLOCKS_PER_READ] for i in range(0, len(job.dst_blocks), BLOCKS_PER_READ)]
+        if not batches:
+            return send_done(session, tid)
+        for i, dst in enumerate(batches):
+            last = {"done": True} if i == len(batches) - 1 else {}
+            session.send({"op": "read", "transfer_id": tid, "start": job.src_start + i * BLOCKS_PER_READ,
+                          "count": len(dst), **last})
+        for dst in batches:
+            # Straight into the request's own blocks; if the frame then fails authentication, the load fails and
+            # the scheduler drops these blocks unpublished.
+            into = self.blocks.receive_into(dst)
+            header, _ = session.recv(into=into)
+            if header.get("status") != "ok" or header.get("count") != len(dst):
+                raise ProtocolError(f"producer answered {header.get('status')!r} for transfer {tid}")
+            self.blocks.finish_receive(dst, into)
+            with self.stats.lock:
+                self.stats.bytes_received += len(dst) * self.blocks.bytes_per_block
+
+    def lease_time_left(self, req: Request) -> float:
+        return self.keeper.time_left(req)
+
+    def watch_lease(self, req: Request) -> None:
+        p = req.kv_transfer_params
+        try:
+            ok = p.get("transfer_id") and self._peer(p)
+        except (ValueError, AttributeError):
+            ok = False
+        if ok:
+            self.keeper.watch(req)
+
+    def request_abandoned(self, req: Request) -> None:
+        if (req.kv_transfer_params or {}).get("do_remote_prefill"):  # verified when the request was added
+            self.release_remote(req.kv_transfer_params, req.request_id)
+
+    def take_finished(self) -> tuple[set[str], dict[str, str]]:
+        with self._lock:
+            (done, self._done), (failed, self._failed) = (self._done, set()), (self._failed, {})
+        return done, failed
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._inflight or self._done or self._failed or self._queued)
+
+    def shutdown(self) -> None:
+        self._loaders.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()

@@ -11,9 +11,9 @@ with the tag an AES-256-GMAC (GCM with no plaintext) over everything between len
 with the nonce direction | sequence number: a replayed, reordered, cut or altered frame fails, and the tag is also
 the checksum of the KV bytes. (GMAC runs at ~22 GB/s here, Poly1305 at ~12 and HMAC-SHA256 at ~1.7: the tag is
 read over every byte on both ends, so its speed is a large part of the transport's.)
-The tag trails the payload so that both ends stream: the payload moves in groups of about 1 MiB (the last one
-short, so little tagging is left once the bytes are across), each tagged just before it is sent and right after it
-is received, straight from or into the KV cache (sendmsg/recvmsg_into over views, no copy). A frame without payload
+The tag trails the payload so that both ends stream: the payload moves in groups of up to 1 MiB (the first and
+the last short, so each end's tagging overlaps the other end's work all but briefly), each tagged right after it is
+sent or received, straight from or into the KV cache (sendmsg/recvmsg_into over views, no copy). A frame without payload
 (every request, most answers) is tagged in one AES-GCM call and received in one read after its length.
 
 With TLS (kv_tls_cert/kv_tls_key on P, kv_tls_ca on D) the same bytes run inside the TLS stream.
@@ -84,13 +84,17 @@ def _move(sock: socket.socket, views: list, send: bool) -> None:
 
 
 def _groups(views: list):
-    """`views` in lists of at most GROUP bytes (big views split), the first and the last of at most TAIL bytes: the
-    sender tags a group before moving it and the receiver after, so only those two taggings are not overlapped by
-    the other end's work."""
+    """`views` in lists of at most GROUP bytes (big views split), the first and the last of at most TAIL bytes: each
+    end tags a group right after moving it, so the receiver starts tagging soon, and at the end only the last
+    group's tagging, on each end, is left with nothing to overlap."""
     total = sum(v.nbytes for v in views)
     cuts = sorted({min(TAIL, total), max(total - TAIL, 0), total} - {0})  # where a group must end
     pos, group, size, edge = 0, [], 0, 0
     for v in views:
+        if v.nbytes < GROUP - size and pos + v.nbytes < cuts[edge] and len(group) < IOV_MAX - 1:
+            group.append(v)  # the common case, a block's view inside a group: thousands a frame when scattered
+            pos, size = pos + v.nbytes, size + v.nbytes
+            continue
         start = 0
         while start < v.nbytes:
             n = min(GROUP - size, cuts[edge] - pos, v.nbytes - start)
@@ -186,12 +190,13 @@ class Session:
             return
         mac = Cipher(self._aes, modes.GCM(nonce)).encryptor()
         mac.authenticate_additional_data(head[8:])
-        groups = list(_groups(views))
-        groups[0] = [memoryview(head)] + groups[0]
-        for i, group in enumerate(groups):
-            for v in group[i == 0:]:  # tagged first: the kernel's copy then reads bytes already in cache
+        pending = [memoryview(head)]
+        for group in _groups(views):  # tagged once sent: the kernel's copy has just brought the bytes into cache
+            _move(self.sock, pending + group, send=True)
+            pending = []
+            for v in group:
                 mac.authenticate_additional_data(v)
-            _move(self.sock, group + [memoryview(_tag(mac))] if i == len(groups) - 1 else group, send=True)
+        _move(self.sock, [memoryview(_tag(mac))], send=True)
 
     def recv(self, into: Optional[list] = None) -> tuple[dict, list]:
         """(header, payload views). With `into` (writable byte views), a payload must fill them exactly or be

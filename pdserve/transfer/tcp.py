@@ -3,7 +3,8 @@
 `TcpConnector` composes the roles: a `TcpProducer` (tcp_producer.py: P's leases and KV server, with the producer
 lifecycle of a request) and a `TcpConsumer` (tcp_consumer.py: D's checks, pulls and lease keeping, with the
 consumer lifecycle), over the lease table (leases.py) and the authenticated, reused control channel
-(tcp_channel.py: one handshake per session, many transfers per session). `kv_both` runs both.
+(tcp_channel.py, tcp_pool.py: one handshake per session, many transfers per session). `kv_both` runs both.
+`kv_connector_extra_config.session_idle_seconds` (60) is how long P keeps an idle session; D reuses one for half.
 """
 from __future__ import annotations
 

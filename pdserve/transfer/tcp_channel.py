@@ -40,7 +40,8 @@ class _Watchdog:
     fifth of a one-block pull)."""
 
     def __init__(self):
-        self._cv, self._heap, self._seq, self._thread, self._stale = threading.Condition(), [], itertools.count(), None, 0
+        self._cv, self._heap, self._seq = threading.Condition(), [], itertools.count()
+        self._thread, self._stale = None, 0
 
     def arm(self, d: "Deadline") -> None:
         with self._cv:

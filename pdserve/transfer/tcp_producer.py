@@ -10,9 +10,9 @@ Producer (P) lifecycle of a request:
    (transfer id, block index, count) from that lease only, pinning it while it reads and extending it (a read
    renews it, and so does a `renew`, which answers the seconds now left); an unknown, released or expired lease
    answers `expired`; a read not taken by D within `kv_lease_seconds` has its session shut;
-4. D's `done` (a flag on its last read, or a bare `done` op), a `release_lease` (the router's `POST /v1/kv/release` on P, with the signed params, when no D took
-   the request), or the lease running out with no read in flight, releases it: `get_finished` hands the request
-   id to the scheduler, which frees the blocks.
+4. D's `done` (a flag on its last read, or a bare `done` op), a `release_lease` (the router's
+   `POST /v1/kv/release` on P, with the signed params, when no D took the request), or the lease running out with
+   no read in flight, releases it: `get_finished` hands the request id to the scheduler, which frees the blocks.
 """
 from __future__ import annotations
 

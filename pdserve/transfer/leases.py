@@ -8,9 +8,7 @@ Seconds, never absolute times, cross the wire: hosts' clocks are not compared.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 import logging
 import threading
 import time
@@ -18,11 +16,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pdserve.core.kv_cache_manager import cdiv
+from pdserve.transfer.proof import prompt_hash  # noqa: F401  (re-exported)
+
 logger = logging.getLogger("pdserve.transfer")
 
 
-def prompt_hash(token_ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()
+def leased_params(config, port: int, tid: str, req, block_ids: list[int], block_size: int, **extra) -> dict:
+    """The kv_transfer_params a producer answers for `req`'s lease `tid` (the engine signs them): where D dials,
+    what it reads, and for how long P holds it (seconds left, never an absolute time)."""
+    n = req.num_prompt_tokens
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+            "remote_engine_id": config.engine_id, "remote_request_id": req.request_id,
+            "remote_host": config.kv_advertise_host or config.kv_host, "remote_port": port,
+            "remote_block_ids": list(block_ids[:cdiv(n - 1, block_size)]),
+            "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
+            "lease_seconds": config.kv_lease_seconds, **extra}
 
 
 @dataclass

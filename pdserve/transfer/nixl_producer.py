@@ -12,9 +12,8 @@ import threading
 import time
 from typing import Optional
 
-from pdserve.core.kv_cache_manager import cdiv
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.leases import LeaseTable, lease_ops, prompt_hash
+from pdserve.transfer.leases import LeaseTable, lease_ops, leased_params
 from pdserve.transfer.nixl_consumer import NAME
 from pdserve.transfer.tcp_blocks import TransferStats
 from pdserve.transfer.tcp_channel import ControlServer
@@ -107,12 +106,7 @@ class NixlProducer:
                                                                              RequestStatus.FINISHED_LENGTH):
             return False, None
         tid = self.leases.open(req.request_id, block_ids)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
-                      "remote_engine_id": self.config.engine_id, "remote_request_id": req.request_id,
-                      "remote_host": self.config.kv_advertise_host or self.config.kv_host, "remote_port": self.port,
-                      "remote_block_ids": list(block_ids[:cdiv(n - 1, self.block_size)]),
-                      "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
-                      "lease_seconds": self.config.kv_lease_seconds, "kv_connector": NAME}
+        return True, leased_params(self.config, self.port, tid, req, block_ids, self.block_size, kv_connector=NAME)
 
     def shutdown(self) -> None:
         self.server.close()

@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from pdserve.core.kv_cache_manager import cdiv
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.leases import LeaseTable, lease_ops, prompt_hash
+from pdserve.transfer.leases import LeaseTable, lease_ops, leased_params
 from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
 from pdserve.transfer.tcp_channel import ControlServer, Deadline
 
@@ -75,12 +74,7 @@ class TcpProducer:
         if n < 2:  # nothing to hand over: D prefills a one-token prompt itself
             return False, None
         tid = self.leases.open(req.request_id, block_ids)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
-                      "remote_engine_id": self.config.engine_id, "remote_request_id": req.request_id,
-                      "remote_host": self.config.kv_advertise_host or self.config.kv_host, "remote_port": self.port,
-                      "remote_block_ids": list(block_ids[:cdiv(n - 1, self.block_size)]),
-                      "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
-                      "lease_seconds": self.config.kv_lease_seconds}
+        return True, leased_params(self.config, self.port, tid, req, block_ids, self.block_size)
 
     def shutdown(self) -> None:
         self.server.close()

@@ -40,6 +40,29 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="Keep generating past the EOS token.")
     for cls in ENGINE_SECTIONS:
         add_dataclass_args(p, cls)
+    add_speculative_arg(p)
+
+
+SPEC_HELP = ("Speculative decoding as vLLM's JSON, n-gram (prompt lookup) drafting: '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (K in 1..8; "
+             "both bounds 5 when neither is given, one given copies it; optional disable_by_batch_size). "
+             "Default: off.")
+
+
+def add_speculative_arg(p) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON", help=SPEC_HELP)
+
+
+def _engine_kwargs(args) -> dict:
+    from pdserve.config import engine_kwargs_from_args
+    kw = engine_kwargs_from_args(args)
+    if args.speculative_config is not None:
+        try:
+            from pdserve.spec_decode.config import SpeculativeConfig
+            kw["speculative_config"] = SpeculativeConfig.from_json(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+    return kw
 
 
 def _serve_parser(sub) -> None:
@@ -63,6 +86,7 @@ def _serve_parser(sub) -> None:
                             "refused with 400.")
     for flag, field, doc in KV_FLAGS:
         p.add_argument(flag, default=None, help=f"{doc} Sets {field} of --kv-transfer-config.")
+    add_speculative_arg(p)
 
 
 KV_FLAGS = (("--kv-auth-token", "kv_auth_token", "Shared KV token (default: $PDSERVE_KV_TOKEN)."),
@@ -92,7 +116,7 @@ def _kv_transfer_config(args):
 
 def cmd_serve(args) -> int:
     import dataclasses
-    from pdserve.config import EngineConfig, engine_kwargs_from_args
+    from pdserve.config import EngineConfig
     from pdserve.serve.api_server import run_server
     from pdserve.serve.server_config import ServerConfig
     names = {f.name for f in dataclasses.fields(ServerConfig) if f.metadata.get("cli", True)}
@@ -100,7 +124,7 @@ def cmd_serve(args) -> int:
                        served_model_name=tuple(args.served_model_name or ()))
     cfg.validate()
     engine_config = EngineConfig.from_kwargs(args.model_dir, kv_transfer_config=_kv_transfer_config(args),
-                                             **engine_kwargs_from_args(args))
+                                             **_engine_kwargs(args))
     return run_server(engine_config, cfg)
 
 
@@ -160,7 +184,6 @@ def cmd_make_model(args) -> int:
 
 def cmd_generate(args) -> int:
     from pdserve import LLM, SamplingParams
-    from pdserve.config import engine_kwargs_from_args
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
@@ -169,7 +192,7 @@ def cmd_generate(args) -> int:
         raise ValueError("give at least one --prompt or a --prompts-file")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.sampling_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, **engine_kwargs_from_args(args))
+    llm = LLM(args.model, **_engine_kwargs(args))
     t0 = time.perf_counter()
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

@@ -10,7 +10,10 @@ import os
 import ssl
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
+
+if TYPE_CHECKING:
+    from pdserve.spec_decode.config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "float64", "bfloat16", "float16"]
 
@@ -202,6 +205,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     compilation: CompilationConfig = CompilationConfig()
     kv_transfer: Optional[KVTransferConfig] = None
+    speculative_config: Optional[SpeculativeConfig] = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     @property
     def is_pd_consumer(self) -> bool:
@@ -220,6 +228,10 @@ class EngineConfig:
                 raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
         if isinstance(kv, dict):
             kv = KVTransferConfig.from_dict(kv)
+        spec = kwargs.pop("speculative_config", None)
+        if spec is not None:
+            from pdserve.spec_decode.config import SpeculativeConfig
+            spec = SpeculativeConfig.from_json(spec) if isinstance(spec, str) else SpeculativeConfig.from_dict(spec)
         for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                           ("compilation", CompilationConfig)):
             names = {f.name for f in dataclasses.fields(sub)}
@@ -227,7 +239,7 @@ class EngineConfig:
         if kwargs:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         parts["model"] = dataclasses.replace(parts["model"], model=str(model))
-        cfg = cls(**parts, kv_transfer=kv)
+        cfg = cls(**parts, kv_transfer=kv, speculative_config=spec)
         cfg.validate()
         return cfg
 
@@ -243,6 +255,9 @@ class EngineConfig:
             (c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2,
              "num_gpu_blocks_override must be >= 2"),
             (self.model.max_model_len is None or self.model.max_model_len >= 1, "max_model_len must be >= 1"),
+            (s.max_num_batched_tokens >= 1 + self.num_speculative_tokens,
+             "max_num_batched_tokens must be >= 1 + speculative_config.num_speculative_tokens (a decode row "
+             "schedules its last token and all its drafts in one step)"),
             (self.compilation.cudagraph_metrics_interval > 0, "cudagraph_metrics_interval must be > 0"),
             (self.compilation.max_cudagraph_capture_size is None or self.compilation.max_cudagraph_capture_size >= 1,
              "max_cudagraph_capture_size must be >= 1"),

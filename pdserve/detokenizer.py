@@ -66,6 +66,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     @property
+    def num_consumed(self) -> int:
+        """Tokens taken so far (context included): `update` takes none after a stop-string match."""
+        return len(self._ids)
+
+    @property
     def token_ids(self) -> list[int]:
         """Output tokens consumed so far; tokens after a stop-string match are not included."""
         return self._ids[self._n_ctx:]

@@ -52,6 +52,8 @@ class Request:
         self.error: Optional[str] = None
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler on first use
         self.token_counts = None  # the sampler's per-request counts for penalties, made on first use
+        self.draft_buffer = None  # the n-gram proposer's mirror of all_token_ids, made on first use
+        self.num_new_tokens = 0  # tokens the last step appended (a drafting row may append several)
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from pdserve.model.sampler import Sampler, _logprobs, filtered_probs
+from pdserve.model.sampler import Sampler, filtered_probs, logprobs_of
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ def test_several_positions_per_row():
     assert tokens[:3] == logits[:3].argmax(-1).tolist()
     assert all(t in logits[i].topk(3).indices.tolist() for i, t in zip((3, 4), tokens[3:]))
     assert [lp is not None for lp in lps] == [True, True, True, False, False]
-    assert _logprobs(logits[:1], tokens[:1], [2])[0].keys() == lps[0].keys()
+    assert logprobs_of(logits[:1], tokens[:1], [2])[0].keys() == lps[0].keys()
 
 
 def test_rows_without_a_finite_logit_do_not_fail_the_batch():

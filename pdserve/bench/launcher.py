@@ -140,10 +140,12 @@ def vllm_router_program() -> Optional[str]:
     return str(here) if os.access(here, os.X_OK) else shutil.which("vllm-router")
 
 
-def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve") -> None:
+def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve",
+           speculative_config: Optional[str] = None) -> None:
     """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`)
-    behind `router` (pdserve, or vllm-router). Children are added to `dep` as they start, so a teardown mid-launch
-    still finds them."""
+    behind `router` (pdserve, or vllm-router), with `speculative_config` (JSON) on the node that decodes.
+    Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
+    spec = [] if speculative_config is None else ["--speculative-config", speculative_config]
     arm = dep.arm
     env = {"PDSERVE_KV_TOKEN": token}  # via the environment: never on a command line others can read
     serve = ["serve", model, *server_args]
@@ -153,14 +155,15 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
     threads = os.environ.get("OMP_NUM_THREADS") or str(cpus if arm == "collocated" else max(1, cpus // 2))
     env["OMP_NUM_THREADS"] = threads
     if arm == "collocated":
-        dep.url = dep.spawn("server", serve, free_port(), env)
+        dep.url = dep.spawn("server", [*serve, *spec], free_port(), env)
         return
     kv_port = free_port()
     producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
     rule = [] if arm == "default" else ["--full-graph-rule", arm]
     p = dep.spawn("prefill", [*serve, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
-    d = dep.spawn("decode", [*serve, *rule, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
+    d = dep.spawn("decode", [*serve, *rule, *spec, "--kv-transfer-config", json.dumps(consumer)], free_port(),
+                  env)
     dep.decode_urls = [d]
     if router == "vllm-router":  # P/D mode: P's params relayed verbatim; it waits for both nodes' /health itself
         args = ["--vllm-pd-disaggregation", "--prefill", p, "none", "--decode", d, "--host", "127.0.0.1",

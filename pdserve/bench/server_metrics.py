@@ -2,7 +2,9 @@
 earlier traffic do not count):
 - the share of non-FULL decode-graph steps, from `pdserve_cudagraph_steps_total`: behind a router the counters that
   matter are the decode nodes' (the router lists them at `/nodes`); a single server is scraped directly;
-- behind a router, the mean time to first token by stage, from `pdserve_router_ttft_seconds{stage}`."""
+- behind a router, the mean time to first token by stage, from `pdserve_router_ttft_seconds{stage}`;
+- with speculative decoding, the acceptance rate (accepted / draft tokens) and the mean acceptance length
+  (1 + accepted / drafts, vLLM's definition) from `pdserve_spec_decode_*_total`."""
 from __future__ import annotations
 
 from collections import Counter
@@ -13,15 +15,20 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STEPS = "pdserve_cudagraph_steps"
+SPEC = "pdserve_spec_decode_"
 
 
 @dataclass(frozen=True)
 class GraphSnapshot:
     steps: Counter  # (mode, reason) -> steps, summed over the scraped nodes
     device: str  # "cuda", "cpu", or "" when the target does not expose pdserve_cudagraph_info
+    spec: Optional[Counter] = None  # num_drafts, num_draft_tokens, num_accepted_tokens, ... (speculative decoding)
 
     def __sub__(self, other: "GraphSnapshot") -> "GraphSnapshot":
-        return GraphSnapshot(Counter({k: v - other.steps.get(k, 0) for k, v in self.steps.items()}), self.device)
+        spec = None if self.spec is None else Counter({k: v - (other.spec or {}).get(k, 0)
+                                                       for k, v in self.spec.items()})
+        return GraphSnapshot(Counter({k: v - other.steps.get(k, 0) for k, v in self.steps.items()}), self.device,
+                             spec)
 
     def summary(self) -> dict:
         full = sum(v for (mode, _), v in self.steps.items() if mode == "FULL")
@@ -33,7 +40,16 @@ class GraphSnapshot:
         total = full + non_full
         return {"full_steps": int(full), "non_full_steps": non_full,
                 "non_full_share": non_full / total if total else float("nan"), "non_full_reasons": dict(reasons),
-                "device": self.device}
+                "device": self.device, "spec_decode": self._spec_summary()}
+
+    def _spec_summary(self) -> Optional[dict]:
+        if self.spec is None:
+            return None
+        d, t, a = (int(self.spec.get(k, 0)) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+        return {"num_drafts": d, "num_draft_tokens": t, "num_accepted_tokens": a,
+                "num_placeholder_tokens": int(self.spec.get("num_placeholder_tokens", 0)),
+                "acceptance_rate": a / t if t else float("nan"),
+                "mean_acceptance_length": 1 + a / d if d else float("nan")}
 
 
 def metric_targets(base_url: str, timeout: float = 5.0) -> list[str]:
@@ -57,24 +73,36 @@ def _families(url: str, timeout: float) -> list:
 
 def scrape(urls: list[str], timeout: float = 5.0) -> Optional[GraphSnapshot]:
     """None when no target exposes the graph counters (e.g. another engine)."""
-    steps, device, found = Counter(), "", False
+    steps, device, found, spec = Counter(), "", False, None
     for url in urls:
         for fam in _families(url, timeout):
-            if fam.name == STEPS:
+            if fam.name.startswith(SPEC) and fam.name != SPEC + "num_accepted_tokens_per_pos":
+                spec = spec if spec is not None else Counter()
+                spec[fam.name.removeprefix(SPEC)] += sum(x.value for x in fam.samples if x.name.endswith("_total"))
+            elif fam.name == STEPS:
                 found = True
                 for s in fam.samples:
                     if s.name.endswith("_total"):
                         steps[(s.labels["mode"], s.labels["reason"])] += s.value
             elif fam.name == "pdserve_cudagraph_info":
                 device = fam.samples[0].labels.get("device", device) if fam.samples else device
-    return GraphSnapshot(steps, device) if found else None
+    return GraphSnapshot(steps, device, spec) if found else None
 
 
 def format_share(s: dict) -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["non_full_reasons"].items())) or "none"
     return (f"{'Decode graph steps':-^60}\n{'FULL steps:':<44}{s['full_steps']:>16}\n"
             f"{'Non-FULL steps:':<44}{s['non_full_steps']:>16}\n"
-            f"{'Non-FULL share (%):':<44}{100 * s['non_full_share']:>16.1f}\n{'Non-FULL reasons:':<20}{reasons:>40}")
+            f"{'Non-FULL share (%):':<44}{100 * s['non_full_share']:>16.1f}\n{'Non-FULL reasons:':<20}{reasons:>40}"
+            + (_format_spec(s["spec_decode"]) if s.get("spec_decode") else ""))
+
+
+def _format_spec(sd: dict) -> str:
+    return (f"\n{'Speculative decoding':-^60}\n{'Drafts:':<44}{sd['num_drafts']:>16}\n"
+            f"{'Draft tokens (placeholders apart):':<44}{sd['num_draft_tokens']:>16}\n"
+            f"{'Placeholder tokens:':<44}{sd['num_placeholder_tokens']:>16}\n"
+            f"{'Acceptance rate (%):':<44}{100 * sd['acceptance_rate']:>16.1f}\n"
+            f"{'Mean acceptance length:':<44}{sd['mean_acceptance_length']:>16.2f}")
 
 
 def scrape_ttft_stages(base_url: str, timeout: float = 5.0) -> Optional[dict]:

@@ -53,7 +53,8 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.register_kv_caches(self.runner.kv_caches)
         policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.connector, policy)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.connector, policy,
+                                   config.speculative_config)
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
@@ -165,7 +166,8 @@ class LLMEngine:
         if n < 2:
             return req  # nothing to import: it is a fresh one-token prompt
         hits, num_hit = self.kv.get_computed_blocks(req)
-        if not self.kv.allocate_slots(req, n - num_hit, hits):  # the replay's slot too, as a remote load
+        # the replay's slot (and its drafts' lookahead slots) too, as a remote load
+        if not self.kv.allocate_slots(req, n - num_hit + self.scheduler.num_lookahead(req), hits):
             self._make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
                                                             "no free KV blocks"), [])  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
@@ -201,6 +203,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+
+    def spec_decode_stats(self) -> Optional[dict]:
+        """Speculative decoding counters since start (None without --speculative-config)."""
+        return self.runner.spec_stats.snapshot() if self.config.speculative_config else None
 
     def graph_stats(self) -> dict:
         """Graph-mode step counts since start: FULL / non-FULL, by (mode, reason), padded tokens."""
@@ -272,23 +278,44 @@ class LLMEngine:
             m = req.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
+            k = req.num_new_tokens
             if rid in lp_by_req:
-                req.logprobs.append(lp_by_req[rid])
+                lp = lp_by_req[rid]
+                if isinstance(lp, list):  # a drafting row: one entry per emitted token, cut where it stopped
+                    req.logprobs.extend(lp[:k])
+                else:
+                    req.logprobs.append(lp)
+            new = req.output_token_ids[-k:]
             # As vLLM, the text of a token that stopped the request (EOS, a stop token id) is left out unless
             # include_stop_str_in_output; a stop string completed by the text that is kept wins over the stop the
             # scheduler saw in the same token (the length cap): the text was cut at the string.
             by_token = req.status == RequestStatus.FINISHED_STOPPED
             keep = not by_token or req.sampling_params.include_stop_str_in_output
-            stop = req.detok.update(req.output_token_ids[-1:] if keep else [], final=req.is_finished)
+            detok = req.detok
+            fed = detok.num_consumed
+            stop = detok.update(new if keep else new[:-1], final=req.is_finished)
             if stop is not None:
+                consumed = detok.num_consumed - fed
+                if consumed < k and k > 1:  # a drafting row's tokens past the stop string: never emitted
+                    new = self._drop_after_stop(req, k - consumed)
                 req.stop_reason = stop
                 if req.is_finished:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             if req.is_finished or req.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(req, [req.output_token_ids[-1]]))
+                outputs.append(self._make_output(req, new))
         return transfer_outputs + outputs
+
+    @staticmethod
+    def _drop_after_stop(req: Request, n: int) -> list[int]:
+        """Remove the request's last `n` tokens (a drafting row's tokens after a stop string): not in its output,
+        logprobs or usage. It is finishing, so its KV state no longer matters. Returns this step's kept tokens."""
+        del req.output_token_ids[-n:], req.all_token_ids[-n:]
+        if req.logprobs and len(req.logprobs) > req.num_output_tokens:
+            del req.logprobs[req.num_output_tokens:]
+        req.num_new_tokens -= n
+        return req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens:]
 
     def _make_output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """The request's output after a step, as its `output_kind` asks: DELTA carries only this step's text, tokens

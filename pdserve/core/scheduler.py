@@ -9,17 +9,28 @@ One step:
    blocks allocated, no seat, no tokens) until the load ends;
 3. after the model ran, `update_from_output` advances `num_computed_tokens`, publishes full blocks, appends the
    sampled token of each row that reached the end of its known tokens, and applies the stop conditions.
+
+Speculative decoding (`speculative_config`): in step 1 a decode row (one token left to compute, a P/D replay
+included) also schedules K drafts the n-gram proposer looked up in its own tokens, padded with placeholders to K
+(fewer only where max_model_len ends the row), all or nothing against the budget, with their lookahead slots; a
+remote load allocates the replay's lookahead slots with its blocks. In step 3 such a row gets its emitted tokens
+(accepted drafts, then the correction or bonus) one by one against the stop conditions; `num_computed_tokens`
+advances by 1 + accepted only (capped at the kept tokens), so rejected KV is never read or published.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.request import Request, RequestStatus
+from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.spec_decode.ngram_proposer import NgramProposer
 from pdserve.transfer.proof import sign_params
+
+_NO_DRAFTS: tuple = ()
 
 
 @dataclass
@@ -27,6 +38,9 @@ class ScheduledRow:
     request: Request
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # Speculative decoding: the K scheduled tokens after the last known one (PLACEHOLDER_TOKEN_ID where the
+    # proposer found none); their positions are scored too.
+    draft_token_ids: Sequence[int] = _NO_DRAFTS
     prompt_len: int = 0  # the request's prompt length (a field, not a property: read per row every step)
 
     def __post_init__(self):
@@ -34,8 +48,9 @@ class ScheduledRow:
 
     @property
     def samples(self) -> bool:
-        """The row ends at the request's last known token, so its logits give the next token."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+        """The row ends at the request's last known token (plus drafts), so its logits give the next token(s)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens - len(self.draft_token_ids) == \
+            self.request.num_tokens
 
 
 @dataclass
@@ -50,7 +65,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None,
-                 load_failure_policy: str = "recompute"):
+                 load_failure_policy: str = "recompute", speculative_config: Optional[SpeculativeConfig] = None):
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # Without chunking a whole (re)computed sequence must fit one step, or it could never be admitted.
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
@@ -68,6 +83,8 @@ class Scheduler:
         self.load_failure_policy = load_failure_policy
         self.leased: dict[str, Request] = {}  # P: finished, blocks kept until D read them or the lease ended
         self.deferred_free: dict[str, Request] = {}  # D: finished while its KV load still writes its blocks
+        self.spec = speculative_config
+        self.proposer = NgramProposer(speculative_config, max_model_len) if speculative_config else None
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -92,12 +109,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        drafting = self.spec is not None and self.spec.speculates(len(self.running))
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = req.num_tokens - req.num_computed_tokens
+            drafts = self._drafts(req) if drafting and num_new == 1 else _NO_DRAFTS
+            if drafts:
+                num_new += len(drafts)
+                if num_new > budget:  # all or nothing: a row never verifies fewer drafts for lack of budget
+                    continue
+            num_new = min(num_new, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -105,7 +129,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                out.rows.append(ScheduledRow(req, req.num_computed_tokens, num_new))
+                out.rows.append(ScheduledRow(req, req.num_computed_tokens, num_new, drafts))
                 budget -= num_new
         if out.preempted:
             return out
@@ -115,10 +139,13 @@ class Scheduler:
         while self.ready and budget > 0 and len(self.running) < seats:
             req = self.ready[0]
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget or not self.kv.allocate_slots(req, num_new):
+            drafts = self._drafts(req) if drafting else _NO_DRAFTS
+            if drafts and (num_new + len(drafts) > budget or not self.kv.allocate_slots(req, num_new + len(drafts))):
+                drafts = _NO_DRAFTS  # its load allocated the lookahead slots; an arrival driver's import may not
+            if num_new + len(drafts) > budget or not self.kv.allocate_slots(req, num_new):
                 break
             self.ready.popleft()
-            budget -= self._admit(req, [], req.num_computed_tokens, num_new, out)
+            budget -= self._admit(req, [], req.num_computed_tokens, num_new + len(drafts), out, drafts)
         # Then strictly FIFO: the first request that cannot be admitted stops admission, so a step costs the same
         # however many wait behind it.
         while self.waiting and budget > 0 and len(self.running) < seats:
@@ -129,6 +156,12 @@ class Scheduler:
                 self.loading[self.waiting.popleft().request_id] = req
                 continue
             num_new = req.num_tokens - num_hit
+            # a preempted request whose prefix cache covers all but its last token resumes as a decode row
+            drafts = self._drafts(req) if drafting and num_new == 1 and num_hit and load is None else _NO_DRAFTS
+            if drafts and 1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts), hits):
+                self.waiting.popleft()
+                budget -= self._admit(req, hits, num_hit, 1 + len(drafts), out, drafts)
+                continue
             if load == "blocked" or (num_new > budget and not self.config.enable_chunked_prefill) or \
                     not self.kv.allocate_slots(req, min(num_new, budget), hits):
                 break
@@ -136,14 +169,26 @@ class Scheduler:
             budget -= self._admit(req, hits, num_hit, min(num_new, budget), out)
         return out
 
-    def _admit(self, req: Request, hits: list[int], num_hit: int, num_new: int, out: SchedulerOutput) -> int:
+    def _admit(self, req: Request, hits: list[int], num_hit: int, num_new: int, out: SchedulerOutput,
+               drafts: Sequence[int] = _NO_DRAFTS) -> int:
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        out.rows.append(ScheduledRow(req, num_hit, num_new))
+        out.rows.append(ScheduledRow(req, num_hit, num_new, drafts))
         return num_new
+
+    def num_lookahead(self, req: Request) -> int:
+        """Draft slots a decode step of `req` schedules: K, fewer where max_model_len ends the row (a position past
+        it is never computed)."""
+        return 0 if self.spec is None else max(0, min(self.spec.num_speculative_tokens,
+                                                      self.max_model_len - req.num_tokens))
+
+    def _drafts(self, req: Request) -> list[int]:
+        """The row's drafts from its own tokens, padded with placeholders to num_lookahead."""
+        k = self.num_lookahead(req)
+        return self.proposer.propose_padded_for(req, k) if k else []
 
     def _start_remote_load(self, req: Request, hits: list[int], num_hit: int) -> Optional[str]:
         """P/D consumer: allocate blocks for the prompt KV a connector can load and park the request in
@@ -159,7 +204,7 @@ class Scheduler:
         # The replay's slot comes with the load: a load for exactly k blocks whose replay then needed block k + 1
         # could wait forever once waiting imports held every block (they take no seat and are never preempted).
         alive = self.connector.lease_time_left(req) > 0  # a request that queued past its lease is not pulled
-        if not alive or not self.kv.allocate_slots(req, num_external + 1, hits):
+        if not alive or not self.kv.allocate_slots(req, num_external + 1 + self.num_lookahead(req), hits):
             if alive:
                 return "blocked"
             # The lease ran out while blocks were short: prefill locally. No blocks to fill tells the connector
@@ -215,13 +260,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[Optional[int]]) -> list[Request]:
-        """Apply one step's results; returns the requests that got a new token (finished ones included)."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list) -> list[Request]:
+        """Apply one step's results (per row: a token, None, or a drafting row's emitted tokens); returns the
+        requests that got new tokens (finished ones included), each with `num_new_tokens` set."""
         updated = []
         for row, token in zip(out.rows, sampled):
             req = row.request
             if req.is_finished:  # aborted while the step ran
                 continue
+            if row.draft_token_ids:
+                self._apply_verified(req, row, token)
+                updated.append(req)
+                continue
+            req.num_new_tokens = 1
             req.num_computed_tokens += row.num_scheduled_tokens
             self.kv.cache_blocks(req)
             if token is None:
@@ -232,6 +283,22 @@ class Scheduler:
             if status is not None:
                 self.finish_request(req.request_id, status)
         return updated
+
+    def _apply_verified(self, req: Request, row: ScheduledRow, emitted: list[int]) -> None:
+        """Emitted tokens (accepted drafts, then the correction or bonus) one by one until a stop; the KV of the
+        last known token and the accepted drafts is valid, and only of the tokens kept."""
+        status = None
+        n = 0
+        for n, tok in enumerate(emitted, 1):
+            req.append_output_token(tok)
+            status = self._check_stop(req, tok)
+            if status is not None:
+                break
+        req.num_new_tokens = n
+        req.num_computed_tokens = min(row.num_computed_tokens + len(emitted), req.num_tokens - 1)
+        self.kv.cache_blocks(req)
+        if status is not None:
+            self.finish_request(req.request_id, status)
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         """As vLLM: before min_tokens only the end of the context stops a request; then EOS, a stop token id (the

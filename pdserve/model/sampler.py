@@ -72,6 +72,28 @@ class TokenCounts:
                 self.out_counts.a[slot] += 1
         self.counted = req.num_output_tokens
 
+    def with_extra(self, extra: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seen ids, output ids, their counts) as if `extra` had been emitted after the counted output: what a
+        speculative position's penalties read (its earlier drafts counted as output). `update` first."""
+        seen, out_ids, counts = self.seen.view, self.out_ids.view, self.out_counts.view
+        if not extra:
+            return seen, out_ids, counts
+        new_seen = [t for t in dict.fromkeys(extra) if t not in self._seen]
+        counts = counts.copy()
+        added: dict[int, int] = {}
+        for t in extra:
+            slot = self._slot.get(t)
+            if slot is not None:
+                counts[slot] += 1
+            else:
+                added[t] = added.get(t, 0) + 1
+        if new_seen:
+            seen = np.concatenate([seen, np.asarray(new_seen, np.int64)])
+        if added:
+            out_ids = np.concatenate([out_ids, np.fromiter(added, np.int64, len(added))])
+            counts = np.concatenate([counts, np.fromiter(added.values(), np.int64, len(added))])
+        return seen, out_ids, counts
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
@@ -84,7 +106,7 @@ class Sampler:
         row_of = list(range(len(reqs))) if row_of is None else row_of
         params = [reqs[r].sampling_params for r in row_of]
         n = len(row_of)
-        penal = {i for i, (r, sp) in enumerate(zip(row_of, params)) if _penalised(reqs[r], sp)}
+        penal = {i for i, (r, sp) in enumerate(zip(row_of, params)) if penalised(reqs[r], sp)}
         rand = {i for i, sp in enumerate(params) if sp.temperature >= GREEDY_EPS}
         # Only the rows that change their logits (penalties) or sample are copied; plain greedy rows take the
         # argmax of the raw logits, which also stay as they are for logprobs.
@@ -112,17 +134,21 @@ class Sampler:
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         logprobs: list[Optional[dict]] = [None] * len(token_list)
         if want:
-            for i, lp in zip(want, _logprobs(logits[want], [token_list[i] for i in want],
+            for i, lp in zip(want, logprobs_of(logits[want], [token_list[i] for i in want],
                                              [params[i].logprobs for i in want])):
                 logprobs[i] = lp
         return token_list, logprobs
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], pos: list[int]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], pos: list[int],
+                         extras: Optional[list[list[int]]] = None) -> torch.Tensor:
+        """Penalties and min_tokens masking at rows `pos` of `logits`, row pos[i] for reqs[i]; `extras[i]`: tokens
+        taken as already emitted at that row (a speculative position's earlier drafts; never placeholders)."""
         ban_rows, ban_ids = [], []
-        counted, counted_pos = [], []
-        for i, r in zip(pos, reqs):
+        counted, counted_pos, counted_extra = [], [], []
+        for j, (i, r) in enumerate(zip(pos, reqs)):
             sp = r.sampling_params
-            if r.num_output_tokens < sp.min_tokens:
+            extra = extras[j] if extras is not None else []
+            if r.num_output_tokens + len(extra) < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 ban_rows += [i] * len(banned)
                 ban_ids += banned
@@ -132,14 +158,15 @@ class Sampler:
                 r.token_counts.update(r)
                 counted.append(r)
                 counted_pos.append(i)
+                counted_extra.append(extra)
         if ban_rows:
             logits[ban_rows, ban_ids] = float("-inf")
         if counted:
-            tcs = [r.token_counts for r in counted]
+            views = [r.token_counts.with_extra(e) for r, e in zip(counted, counted_extra)]
             sps = [r.sampling_params for r in counted]
-            self._penalise(logits, counted_pos, [tc.seen.view for tc in tcs], None,
+            self._penalise(logits, counted_pos, [v[0] for v in views], None,
                            [sp.repetition_penalty for sp in sps], None)
-            self._penalise(logits, counted_pos, [tc.out_ids.view for tc in tcs], [tc.out_counts.view for tc in tcs],
+            self._penalise(logits, counted_pos, [v[1] for v in views], [v[2] for v in views],
                            [sp.frequency_penalty for sp in sps], [sp.presence_penalty for sp in sps])
         return logits
 
@@ -209,7 +236,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, probs.argmax(dim=-1), idx) if bool(bad.any()) else idx
 
 
-def _penalised(req: Request, sp) -> bool:
+def penalised(req: Request, sp) -> bool:
     return req.num_output_tokens < sp.min_tokens or sp.repetition_penalty != 1.0 or bool(
         sp.presence_penalty or sp.frequency_penalty)
 
@@ -261,7 +288,7 @@ def _sort_desc(x: torch.Tensor) -> torch.Tensor:
     return x.sort(dim=-1, descending=True).values
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:
+def logprobs_of(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:
     lp = raw.float().log_softmax(-1)
     idx = torch.tensor(tokens, device=lp.device)
     chosen = lp.gather(1, idx[:, None])

@@ -232,7 +232,8 @@ class EngineCore:
         s = eng.scheduler
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
         return {"running": len(s.running), "waiting": s.num_waiting, "kv_usage": eng.kv.pool.usage(),
-                "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer}
+                "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer,
+                "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}
 
     def _q_kv_probe(self) -> Optional[dict]:
         return self.engine.kv_probe()

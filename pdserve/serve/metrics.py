@@ -65,6 +65,25 @@ class EngineCollector:
         info.add_metric([str(graph["device"]), str(bool(graph["captured"])).lower()], 1)
         yield info
         yield from self._transfer(s.get("transfer"))
+        yield from self._spec(s.get("spec"))
+
+    def _spec(self, sd: Optional[dict]):
+        """vLLM's speculative decoding series (SpecDecodingProm), plus placeholders, with --speculative-config."""
+        if not sd:
+            return
+        lab = ["model_name"]
+        for key, doc in (("num_drafts", "Number of spec decoding drafts."),
+                         ("num_draft_tokens", "Number of spec decoding draft tokens (placeholders excluded)."),
+                         ("num_accepted_tokens", "Number of spec decoding accepted tokens."),
+                         ("num_placeholder_tokens", "Scheduled draft slots with no draft (always rejected).")):
+            c = CounterMetricFamily(f"pdserve_spec_decode_{key}", doc, labels=lab)
+            c.add_metric([self.model_name], sd[key])
+            yield c
+        per = CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                                  "position.", labels=["model_name", "position"])
+        for pos, n in enumerate(sd["accepted_per_pos"]):
+            per.add_metric([self.model_name, str(pos)], n)
+        yield per
 
     def _transfer(self, t: Optional[dict]):
         """KV transfer series, on servers with a KV connector (P/D)."""

@@ -83,3 +83,22 @@ class NgramProposer:
 
     def propose_padded(self, seqs: Sequence[np.ndarray], ks: Optional[Sequence[int]] = None) -> np.ndarray:
         return pad_drafts(self.propose_batch(seqs, ks), self.k)
+
+    def propose_padded_for(self, req, k: int) -> list[int]:
+        """`k` drafts for a request's next step from its prompt and output so far, placeholders after the real
+        ones. The request's tokens are mirrored in an int64 array that only grows by what was appended since the
+        last call: converting the whole Python list every step would cost O(context) per row."""
+        buf = req.draft_buffer
+        n = req.num_tokens
+        if buf is None or len(buf[0]) < n:
+            arr = np.empty(max(64, 2 * n), np.int64)
+            filled = 0 if buf is None else buf[1]
+            if filled:
+                arr[:filled] = buf[0][:filled]
+            buf = req.draft_buffer = [arr, filled]
+        arr, filled = buf
+        if filled < n:
+            arr[filled:n] = req.all_token_ids[filled:n]
+            buf[1] = n
+        real = propose(arr[:n], min(k, self.k), self.n_min, self.n_max).tolist()
+        return real + [PLACEHOLDER_TOKEN_ID] * (k - len(real))

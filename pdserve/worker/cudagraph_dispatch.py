@@ -17,7 +17,7 @@ import bisect
 import enum
 import operator
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 Rule = Literal["strict", "prompt-tail", "decode-shaped"]
 Reason = Literal["prefill", "non_uniform", "over_capture_size", "eager_forced"]
@@ -83,26 +83,33 @@ class CudagraphDispatcher:
     """Maps a step to (runtime mode, padded descriptor, reason). FULL decode descriptors are preferred for eligible
     batches, PIECEWISE (by token count) for the rest, NONE when nothing fits or eager is forced."""
 
-    def __init__(self, capture_sizes: Sequence[int], mode: CUDAGraphMode, enforce_eager: bool, q: int = 1):
+    def __init__(self, capture_sizes: Sequence[int], mode: CUDAGraphMode, enforce_eager: bool,
+                 q: Union[int, Sequence[int]] = 1):
+        """`q`: the uniform query length(s) FULL graphs exist for: 1, and with speculative decoding also 1 + K
+        (a step that drafts nothing, e.g. under disable_by_batch_size, stays on q = 1 graphs)."""
         self.sizes = sorted(set(capture_sizes))
         self.max_size = self.sizes[-1] if self.sizes else 0
         self.mode = CUDAGraphMode.NONE if enforce_eager else mode
-        self.q = q
+        self.qs = (q,) if isinstance(q, int) else tuple(sorted(set(q)))
+        self.q = self.qs[-1]
         # padding table: token count -> smallest captured size that fits
         self.pad = [0] * (self.max_size + 1)
         for n in range(1, self.max_size + 1):
             self.pad[n] = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.full_sizes = [s for s in self.sizes if s % q == 0]
-        self.full_pad = {}
-        for n in range(1, self.max_size + 1):
-            i = bisect.bisect_left(self.full_sizes, n)
-            if i < len(self.full_sizes):
-                self.full_pad[n] = self.full_sizes[i]
+        # per query length: token count -> smallest FULL size (a multiple of q) that fits
+        self.full_sizes = {q: [s for s in self.sizes if s % q == 0] for q in self.qs}
+        self.full_pad: dict[int, dict[int, int]] = {}
+        for q, sizes in self.full_sizes.items():
+            table = self.full_pad[q] = {}
+            for n in range(1, self.max_size + 1):
+                i = bisect.bisect_left(sizes, n)
+                if i < len(sizes):
+                    table[n] = sizes[i]
 
     def full_descriptors(self) -> list[BatchDescriptor]:
         if self.mode.decode_mode() != CUDAGraphMode.FULL:
             return []
-        return [BatchDescriptor(s, s // self.q, self.q) for s in self.full_sizes]
+        return [BatchDescriptor(s, s // q, q) for q in self.qs for s in self.full_sizes[q]]
 
     def piecewise_descriptors(self) -> list[BatchDescriptor]:
         if CUDAGraphMode.PIECEWISE not in (self.mode.decode_mode(), self.mode.mixed_mode()):
@@ -117,9 +124,10 @@ class CudagraphDispatcher:
             reason = "over_capture_size" if cls.full_eligible else cls.reason
             return CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, 0), reason
         runtime = self.mode.decode_mode() if cls.full_eligible else self.mode.mixed_mode()
-        if runtime == CUDAGraphMode.FULL and num_tokens in self.full_pad:
-            padded = self.full_pad[num_tokens]
-            return CUDAGraphMode.FULL, BatchDescriptor(padded, padded // self.q, self.q), None
+        q = cls.uniform_query_len
+        if runtime == CUDAGraphMode.FULL and num_tokens in self.full_pad.get(q, ()):
+            padded = self.full_pad[q][num_tokens]
+            return CUDAGraphMode.FULL, BatchDescriptor(padded, padded // q, q), None
         if cls.full_eligible and runtime == CUDAGraphMode.FULL:  # FULL-eligible but no FULL size fits
             runtime = self.mode.mixed_mode()
             reason: Optional[Reason] = "over_capture_size"

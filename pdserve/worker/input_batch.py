@@ -27,6 +27,7 @@ class PreparedBatch:
     logits_rows: list[int]  # laid-out rows that sample, in layout order
     logits_indices: torch.Tensor  # their last-token index in the flattened batch
     layout: tuple | None = None  # FULL steps: the attention groups the buffers were filled for
+    num_drafted: int = 0  # rows with drafts: each has all its positions in logits_rows (repeated), in order
 
 
 def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int = 4, round_to: int = 1,
@@ -63,7 +64,7 @@ class InputBuffers:
         self.np_positions = np.zeros(max_tokens, np.int64)
         self.np_slots = np.zeros(max_tokens, np.int64)
         self.np_block_table = np.zeros((max_reqs, max_blocks_per_req), np.int64)
-        self.np_logits_idx = np.zeros(max_reqs, np.int64)
+        self.np_logits_idx = np.zeros(max(max_reqs, max_tokens), np.int64)  # drafting rows score every position
         names = ("input_ids", "positions", "slot_mapping", "block_table", "logits_idx")
         arrays = (self.np_input_ids, self.np_positions, self.np_slots, self.np_block_table, self.np_logits_idx)
         self.host = {n: torch.from_numpy(a) for n, a in zip(names, arrays)}
@@ -93,25 +94,36 @@ class InputBuffers:
         ids, pos, slots, table = self.np_input_ids, self.np_positions, self.np_slots, self.np_block_table
         t = 0
         starts, widths, logits_rows, logits_idx = [], [], [], []
+        num_drafted = 0
         for r, i in enumerate(order):
             row = rows[i]
             c, n = row.num_computed_tokens, row.num_scheduled_tokens
             blocks = blocks_of(row.request.request_id)
             nb = cdiv(c + n, bs)
             table[r, :nb] = blocks[:nb]
+            drafts = row.draft_token_ids
             if n == 1:
                 ids[t] = row.request.all_token_ids[c]
                 pos[t] = c
                 slots[t] = blocks[c // bs] * bs + c % bs
             else:
-                ids[t:t + n] = row.request.all_token_ids[c:c + n]
+                if drafts:
+                    ids[t] = row.request.all_token_ids[c]
+                    # a placeholder's input is any valid id: its KV and logits are never used as a draft's
+                    ids[t + 1:t + n] = [max(d, 0) for d in drafts]
+                else:
+                    ids[t:t + n] = row.request.all_token_ids[c:c + n]
                 p = np.arange(c, c + n)
                 pos[t:t + n] = p
                 slots[t:t + n] = np.asarray(blocks, np.int64)[p // bs] * bs + p % bs
             starts.append(t)
             widths.append(nb)
             t += n
-            if row.samples:
+            if drafts:  # every position of a drafting row is scored: the last known token's and each draft's
+                logits_rows.extend([r] * n)
+                logits_idx.extend(range(t - n, t))
+                num_drafted += 1
+            elif row.samples:
                 logits_rows.append(r)
                 logits_idx.append(t - 1)
         num_reqs = len(rows)
@@ -131,7 +143,8 @@ class InputBuffers:
         else:
             groups = self._groups(rows, order, starts, widths, t)
         meta = AttentionMetadata(self.slot_mapping[:tp], groups)
-        return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)], layout)
+        return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)], layout,
+                             num_drafted)
 
     def uniform_groups(self, layout, qlen: int) -> list[AttnGroup]:
         return [AttnGroup(slice(r0 * qlen, r1 * qlen), self.block_table[r0:r1, :w],

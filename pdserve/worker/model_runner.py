@@ -11,6 +11,7 @@ from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import Sampler
+from pdserve.spec_decode.verifier import SpecDecodeStats, verify
 from pdserve.worker.cudagraph import FullGraphRunner
 from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher, classify
 from pdserve.worker.graph_metrics import GraphStats
@@ -20,12 +21,15 @@ from pdserve.worker.input_batch import InputBuffers, PreparedBatch
 _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _PROMPT_LEN = operator.attrgetter("prompt_len")
+_DRAFTS = operator.attrgetter("draft_token_ids")
 
 
 @dataclass
 class StepResult:
-    sampled: list[Optional[int]]  # per scheduler row: the new token, or None for a prompt chunk that is not last
-    logprobs: list[Optional[dict]]
+    # per scheduler row: the new token, None for a prompt chunk that is not last, or a drafting row's emitted
+    # tokens (a list); logprobs likewise (a list of entries for a drafting row)
+    sampled: list
+    logprobs: list
 
 
 def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
@@ -50,16 +54,22 @@ class ModelRunner:
                                       device=device) for _ in range(d.num_layers)]
         self.model.kv_caches = self.kv_caches
         sched, comp = config.scheduler, config.compilation
-        self.uniform_query_len = 1  # 1 + num_speculative_tokens; no speculative decoding yet
+        # A drafting step's rows are decode-shaped at q = 1 + K; steps that draft nothing keep q = 1.
+        self.uniform_query_len = 1 + config.num_speculative_tokens
         self.is_pd_consumer = config.is_pd_consumer
         capture_sizes = comp.capture_sizes(sched.max_num_seqs)
+        if self.uniform_query_len > 1 and not comp.cudagraph_capture_sizes:
+            # the FULL ladder becomes q x {1, 2, 4, 8, ...} rows (the default ladder read as row counts)
+            q = self.uniform_query_len
+            capture_sizes = sorted(set(capture_sizes) | {q * s for s in capture_sizes if s <= sched.max_num_seqs})
         self.dispatcher = CudagraphDispatcher(capture_sizes, CUDAGraphMode(comp.cudagraph_mode), comp.enforce_eager,
-                                              self.uniform_query_len)
+                                              sorted({1, self.uniform_query_len}))
         self.buffers = InputBuffers(max_tokens=max(self.max_num_tokens(), self.dispatcher.max_size),
                                     max_reqs=max(sched.max_num_seqs, self.dispatcher.max_size),
                                     max_blocks_per_req=cdiv(max_model_len, self.block_size),
                                     block_size=self.block_size, device=device)
         self.sampler = Sampler(device, config.model.seed)
+        self.spec_stats = SpecDecodeStats()
         self.logits_hook = None  # tests: called as hook(requests, logits) for every sampling step
         self.full_graphs = FullGraphRunner(self.model, self.buffers, d.hidden_size, dtype, device)
         self.graph_stats = GraphStats(device.type, captured=False,
@@ -97,8 +107,9 @@ class ModelRunner:
         """(runtime mode, padded descriptor, reason, unpadded tokens) for a step's rows."""
         num_scheduled = list(map(_SCHEDULED, rows))
         num_tokens = sum(num_scheduled)
+        q = self.uniform_query_len if self.uniform_query_len > 1 and any(map(_DRAFTS, rows)) else 1
         cls = classify(num_scheduled, list(map(_COMPUTED, rows)), list(map(_PROMPT_LEN, rows)),
-                       self.uniform_query_len, self.config.compilation.full_graph_rule, self.is_pd_consumer)
+                       q, self.config.compilation.full_graph_rule, self.is_pd_consumer)
         return (*self.dispatcher.dispatch(num_tokens, len(rows), cls), num_tokens)
 
     @torch.inference_mode()
@@ -118,15 +129,42 @@ class ModelRunner:
         return self.sample(rows, batch, hidden)
 
     def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
-        sampled: list[Optional[int]] = [None] * len(rows)
-        logprobs: list[Optional[dict]] = [None] * len(rows)
+        sampled: list = [None] * len(rows)
+        logprobs: list = [None] * len(rows)
         if batch.logits_rows:
             logits = self.model.compute_logits(hidden)
             reqs = [rows[batch.order[r]].request for r in batch.logits_rows]
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)
+            if batch.num_drafted:
+                self._verify(rows, batch, logits, sampled, logprobs)
+                return StepResult(sampled, logprobs)
             tokens, lps = self.sampler(logits, reqs)
             for r, tok, lp in zip(batch.logits_rows, tokens, lps):
                 sampled[batch.order[r]] = tok
                 logprobs[batch.order[r]] = lp
         return StepResult(sampled, logprobs)
+
+    def _verify(self, rows, batch: PreparedBatch, logits: torch.Tensor, sampled: list, logprobs: list) -> None:
+        """A step with drafting rows: each gets its emitted tokens (a list) and per-token logprobs; other sampling
+        rows one token from the plain sampler. Drafting rows are grouped by K (a row clipped by max_model_len has
+        fewer drafts)."""
+        plain, by_k = [], {}
+        i = 0
+        while i < len(batch.logits_rows):
+            r = batch.logits_rows[i]
+            row = rows[batch.order[r]]
+            k = len(row.draft_token_ids)
+            (plain if not k else by_k.setdefault(k, [])).append((i, r))
+            i += k + 1
+        if plain:
+            tokens, lps = self.sampler(logits[[i for i, _ in plain]], [rows[batch.order[r]].request for _, r in plain])
+            for (_, r), tok, lp in zip(plain, tokens, lps):
+                sampled[batch.order[r]], logprobs[batch.order[r]] = tok, lp
+        for k, group in by_k.items():
+            idx = [i + j for i, _ in group for j in range(k + 1)]
+            grp_rows = [rows[batch.order[r]] for _, r in group]
+            emitted, lps = verify(self.sampler, logits[idx], [row.request for row in grp_rows],
+                                  [list(row.draft_token_ids) for row in grp_rows], self.spec_stats)
+            for (_, r), toks, lp in zip(group, emitted, lps):
+                sampled[batch.order[r]], logprobs[batch.order[r]] = toks, lp

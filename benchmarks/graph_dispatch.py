@@ -113,7 +113,7 @@ def main() -> None:
     for rate in rates:
         plain = arrival_run(model, "decode-shaped", rate, args.steps, seed=1)["tokens"] if spec else None
         for rule in RULES:
-            r = arrival_run(model, rule, rate, args.steps, seed=1, spec)
+            r = arrival_run(model, rule, rate, args.steps, seed=1, spec=spec)
             tokens = r.pop("tokens")
             extra = ""
             if spec:

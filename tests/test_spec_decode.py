@@ -151,10 +151,10 @@ def draftable_prompt(llm, k: int) -> list[int]:
 
 
 def first_two(model, k, prompt, n=20000):
-    """First two tokens of n unseeded requests (temperature 0.9, top_k 4) with or without spec decode."""
+    """First two tokens of n unseeded requests (temperature 0.9, top_k 3) with or without spec decode."""
     kw = dict(dtype="float32", max_num_seqs=512, max_num_batched_tokens=16384, seed=7, max_model_len=256)
     llm = LLM(model, speculative_config=spec(k, 1, 1) if k else None, **kw)
-    sp = SamplingParams(temperature=0.9, top_k=4, max_tokens=2, ignore_eos=True)
+    sp = SamplingParams(temperature=0.9, top_k=3, max_tokens=2, ignore_eos=True)
     outs = llm.generate([prompt] * n, sp, use_tqdm=False)
     return Counter(tuple(o.outputs[0].token_ids) for o in outs), llm.engine.spec_decode_stats()
 
@@ -162,7 +162,7 @@ def first_two(model, k, prompt, n=20000):
 def test_first_two_tokens_match_plain_by_chi_square_with_power(qwen3_tiny, monkeypatch):
     """The second token comes from a verify step (the first is the prompt's); with a deliberately wrong acceptance
     rule (every real draft taken) the same test fails."""
-    prompt = draftable_prompt(LLM(qwen3_tiny, dtype="float32", max_model_len=256), 4)
+    prompt = draftable_prompt(LLM(qwen3_tiny, dtype="float32", max_model_len=256), 3)
     plain, _ = first_two(qwen3_tiny, 0, prompt)
     spec_counts, st = first_two(qwen3_tiny, 2, prompt)
     assert st["num_drafts"] == 20000 and st["num_accepted_tokens"] > 2000, st
@@ -223,3 +223,19 @@ def test_each_position_is_penalised_as_if_its_drafts_were_emitted(sp):
             assert torch.equal(ours[i * 6 + j], want[0]), (i, j)
     blind = sampler._apply_penalties(logits.clone(), [r for r in reqs for _ in range(6)], list(range(18)))
     assert not torch.equal(ours, blind)  # the drafts did change some target: the test sees them ignored
+
+
+def test_disable_by_batch_size_drafts_nothing_and_stays_on_q1_graphs(qwen3_tiny):
+    """With 3 running and disable_by_batch_size 3, no step drafts; the q = 1 decode steps still ride FULL. Once
+    requests finish (the short ones), the rest draft again."""
+    llm = LLM(qwen3_tiny, speculative_config=spec(3, disable_by_batch_size=3))
+    rows = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda rs, b: rows.append([len(r.draft_token_ids) for r in rs]) or execute(rs, b)
+    prompts = ["a b a b a", "c d c d", "e f e f"]
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 4, 4)]
+    ref = tokens(LLM(qwen3_tiny).generate(prompts, sps, use_tqdm=False))
+    assert tokens(llm.generate(prompts, sps, use_tqdm=False)) == ref
+    assert all(set(r) == {0} for r in rows if len(r) == 3) and any(set(r) == {3} for r in rows if len(r) == 1)
+    assert llm.engine.graph_stats()["non_full_by_reason"] == {"prefill": 1}
+    whole(llm)

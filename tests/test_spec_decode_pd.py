@@ -91,3 +91,17 @@ def test_arrival_driver_replays_draft(qwen3_tiny, collocated):
     assert stats["non_full_by_reason"] == {"prefill": 1}, stats  # "x" again
     llm.engine.check_invariants()
     assert llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_pd_equals_collocated_for_other_k(qwen3_tiny, collocated, k):
+    p = producer(qwen3_tiny, free_port())
+    d = consumer(qwen3_tiny, "decode-shaped", k=k)
+    try:
+        assert decode(d, prefill_on(p, PROMPTS)) == collocated
+        assert d.engine.graph_stats()["non_full_by_reason"] == {"prefill": 1}
+        drain(p)
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()

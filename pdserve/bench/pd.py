@@ -113,7 +113,7 @@ def _row(arm: str, rate: float, r: dict) -> dict:
             "non_full_reasons": g.get("non_full_reasons", {}), "device": g.get("device", ""),
             "mean_tpot_ms": r["tpot_ms"]["mean"], "p99_tpot_ms": r["tpot_ms"]["p99"], "p99_itl_ms": r["itl_ms"]["p99"],
             "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"],
-            "router_ttft_split_ms": r.get("router_ttft_split_ms")}
+            "router_ttft_split_ms": r.get("router_ttft_split_ms"), "spec_decode": g.get("spec_decode")}
 
 
 def run_bench_pd(args) -> int:

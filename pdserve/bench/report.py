@@ -36,7 +36,9 @@ def _share(share: float, ref: float) -> str:
 def format_table(rows: list[dict]) -> str:
     on_gpu = any(r["device"] == "cuda" for r in rows)
     device = "cuda" if on_gpu else (next((r["device"] for r in rows if r["device"]), "") or "unknown")
-    head = ["ISL/OSL", "rate", "arm", "non-FULL", "non-FULL reasons", *(label for _, label in TIMING), "failed"]
+    spec = any(r.get("spec_decode") for r in rows)  # speculative decoding: D's (or collocated's) acceptance
+    head = ["ISL/OSL", "rate", "arm", "non-FULL", "non-FULL reasons", *(label for _, label in TIMING), "failed",
+            *(["accept %", "mean acc len"] if spec else [])]
     body = []
     for r in sorted(rows, key=lambda r: (r["isl"], r["osl"], r["rate"])):
         ref = _reference(rows, r, on_gpu)
@@ -44,7 +46,8 @@ def format_table(rows: list[dict]) -> str:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["non_full_reasons"].items())) or "-"
         body.append([f"{r['isl']}/{r['osl']}", f"{r['rate']:g}", r["arm"] if r["arm"] == "collocated" else
                      f"1P1D {r['arm']}", _share(share, ref_share), reasons,
-                     *(_cell(r[k], ref[k] if ref else None) for k, _ in TIMING), str(r["failed"])])
+                     *(_cell(r[k], ref[k] if ref else None) for k, _ in TIMING), str(r["failed"]),
+                     *(_acceptance(r.get("spec_decode")) if spec else [])])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
 
     def line(cells: list[str]) -> str:
@@ -53,6 +56,12 @@ def format_table(rows: list[dict]) -> str:
     note = ("(%): change against the 1P1D strict arm at the same rate" if on_gpu else
             f"{CPU_CAVEAT}; (%): 1P1D against collocated at the same rate")
     return "\n".join([f"bench pd (device={device})", *out, note])
+
+
+def _acceptance(sd: Optional[dict]) -> list[str]:
+    if not sd or not sd["num_draft_tokens"]:
+        return ["-", "-"]
+    return [f"{100 * sd['acceptance_rate']:.1f}", f"{sd['mean_acceptance_length']:.2f}"]
 
 
 def plot(rows: list[dict], path: Path) -> Optional[Path]:

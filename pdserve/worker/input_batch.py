@@ -151,13 +151,24 @@ class InputBuffers:
                           self.positions[r0 * qlen:r1 * qlen].view(r1 - r0, qlen)) for r0, r1, w in layout]
 
     def _groups(self, rows, order, starts, widths, num_tokens) -> list[AttnGroup]:
+        """Rows of one query length are contiguous in the layout (decode rows, drafting rows at 1 + K, equal
+        prompt chunks): each such run attends in width groups, batched; a row alone in its length attends alone.
+        One attention call per row and layer for a step of many drafting rows and one prefill chunk cost more
+        than the step's GEMMs."""
         qlens = [rows[i].num_scheduled_tokens for i in order]
-        n_uniform = len(order) if len(set(qlens)) == 1 else qlens.count(1)
-        groups = self.uniform_groups(width_groups(widths[:n_uniform]), qlens[0]) if n_uniform else []
-        for r in range(n_uniform, len(order)):
-            s, n = starts[r], qlens[r]
-            groups.append(AttnGroup(slice(s, s + n), self.block_table[r:r + 1, :widths[r]],
-                                    self.positions[s:s + n].view(1, n)))
+        if len(set(qlens)) == 1:
+            return self.uniform_groups(width_groups(widths), qlens[0])
+        groups, a = [], 0
+        while a < len(order):
+            q, b = qlens[a], a + 1
+            while b < len(order) and qlens[b] == q:
+                b += 1
+            for r0, r1, w in width_groups(widths[a:b]) if b - a > 1 else ((0, 1, widths[a]),):
+                t0 = starts[a + r0]
+                t1 = t0 + (r1 - r0) * q
+                groups.append(AttnGroup(slice(t0, t1), self.block_table[a + r0:a + r1, :w],
+                                        self.positions[t0:t1].view(r1 - r0, q)))
+            a = b
         return groups
 
     def _to_device(self, num_tokens: int, num_reqs: int, num_logits: int) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,16 @@ from pdserve.bench.launcher import _die_with_parent, free_port, group_alive  # n
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+
+@contextmanager
+def healthy(srv):
+    """A started server once /health answers 200, cleaned up (process group included) however the block ends."""
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.cleanup()
 
 
 class ServerProcess:

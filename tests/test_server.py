@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import SamplingParams
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, healthy
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -25,11 +25,8 @@ def server(qwen3_tiny):
     srv = ServerProcess(qwen3_tiny, "--enable-debug-routes", "--max-model-len", str(MAX_MODEL_LEN),
                         "--num-gpu-blocks-override", "512", "--max-num-seqs", "64", "--max-body-bytes", "65536",
                         "--served-model-name", "tiny", "tiny-alias", api_key=API_KEY)
-    try:
-        srv.wait_healthy()
+    with healthy(srv):
         yield srv
-    finally:
-        srv.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.server_harness import REPO, ServerProcess, metric, metrics
+from tests.server_harness import REPO, ServerProcess, healthy, metric, metrics
 from tests.test_spec_decode import spec
 
 PROMPT = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny ="
@@ -22,11 +22,8 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 def server(qwen3_tiny):
     srv = ServerProcess(qwen3_tiny, "--max-model-len", "256", "--num-gpu-blocks-override", "128",
                         "--served-model-name", "x", "--speculative-config", SPEC)
-    try:
-        srv.wait_healthy()
+    with healthy(srv):
         yield srv
-    finally:
-        srv.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -53,12 +53,14 @@ def write_model(d: Path) -> None:
     save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
 
 
-def run(model: Path, mode: str, batch: int, steps: int, device: str) -> tuple[list[list[int]], float, dict]:
+def run(model: Path, mode: str, batch: int, steps: int, device: str, backend: str = "torch"
+        ) -> tuple[list[list[int]], float, dict]:
     kw = {"enforce_eager": True} if mode == "NONE" else {"cudagraph_mode": "PIECEWISE" if mode == "PIECEWISE"
                                                          else "FULL_AND_PIECEWISE"}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = EngineConfig.from_kwargs(str(model), device=device, dtype=str(dtype).removeprefix("torch."), max_model_len=1024,
-                                   max_num_seqs=64, num_gpu_blocks_override=64 * 64 + 1, **kw)
+                                   max_num_seqs=64, num_gpu_blocks_override=64 * 64 + 1, attention_backend=backend,
+                                   **kw)
     kv = KVCacheManager(cfg.cache.num_gpu_blocks_override, 16, True)
     sched = Scheduler(cfg.scheduler, kv, 1024)
     runner = ModelRunner(cfg, torch.device(device), dtype, 1024, cfg.cache.num_gpu_blocks_override)
@@ -92,23 +94,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--attention-backends", default="torch,triton",
+                    help="Backends to run, each through every mode (torch first: it ran before the Triton kernel).")
     args = ap.parse_args()
     assert args.device == "cpu" or torch.cuda.is_available(), "needs a CUDA GPU"
     model = Path("/tmp/pdserve-small-cuda")
     write_model(model)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"gpu": gpu, "torch": torch.__version__, "runs": []}
-    for batch in map(int, args.batches.split(",")):
-        ref = None
-        for mode in ("NONE", "PIECEWISE", "FULL"):
-            tokens, ms, stats = run(model, mode, batch, args.steps, args.device)
-            same = ref is None or tokens == ref
-            ref = ref or tokens
-            row = {"batch": batch, "mode": mode, "median_decode_step_ms": ms, "tokens_equal_eager": same,
-                   "graph_steps": stats["steps"], "captured": stats["captured"]}
-            result["runs"].append(row)
-            print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for backend in args.attention_backends.split(","):
+        for batch in map(int, args.batches.split(",")):
+            ref = None
+            for mode in ("NONE", "PIECEWISE", "FULL"):
+                try:
+                    tokens, ms, stats = run(model, mode, batch, args.steps, args.device, backend)
+                except Exception as e:  # one backend failing (e.g. a kernel that does not compile) ends only its rows
+                    row = {"backend": backend, "batch": batch, "mode": mode, "error": repr(e)[:500]}
+                    result["runs"].append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                same = ref is None or tokens == ref
+                ref = ref or tokens
+                row = {"backend": backend, "batch": batch, "mode": mode, "median_decode_step_ms": ms,
+                       "tokens_equal_eager": same, "graph_steps": stats["steps"], "captured": stats["captured"]}
+                result["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # partial results as it goes
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pdserve.spec_decode.config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "float64", "bfloat16", "float16"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
 
 
 def _f(default, help: str, **kw):
@@ -31,6 +32,9 @@ class ModelConfig:
                                             "max_position_embeddings, capped at 4096.")
     seed: int = _f(0, "Seed for the engine's global sampling generator (requests with their own seed ignore it).")
     device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+    attention_backend: AttentionBackendName = _f("auto", "Attention kernels: torch (SDPA over gathered K/V), triton "
+                                                 "(paged decode kernel reading each row's length; prefill through "
+                                                 "SDPA), auto (triton on CUDA when installed, else torch).")
 
 
 @dataclass(frozen=True)

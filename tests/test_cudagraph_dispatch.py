@@ -108,3 +108,16 @@ def test_dispatch_policies():
     q2 = CudagraphDispatcher([1, 2, 4, 8], CUDAGraphMode.FULL_AND_PIECEWISE, enforce_eager=False, q=2)
     assert q2.full_descriptors() == [BatchDescriptor(2, 1, 2), BatchDescriptor(4, 2, 2), BatchDescriptor(8, 4, 2)]
     assert q2.dispatch(6, 3, Classification(True, 2, None))[1] == BatchDescriptor(8, 4, 2)
+
+
+def test_full_ladder_stops_at_the_size_that_holds_max_num_seqs():
+    """q = 1 and q = 1 + K graphs both end at the first size holding max_num_seqs rows (a batch never has more):
+    with speculative decoding the q = 1 ladder does not grow by the q x rows sizes."""
+    from pdserve.config import CompilationConfig
+    sizes = CompilationConfig().capture_sizes(100)  # 1, 2, 4, 8, ..., 200
+    d = CudagraphDispatcher(sizes + [4 * s for s in (1, 2, 4, 8, 96, 104)], CUDAGraphMode.FULL_AND_PIECEWISE,
+                            enforce_eager=False, q=[1, 4], max_rows=100)
+    assert d.full_sizes[1][-1] == 104 and max(d.full_sizes[4]) == 416
+    assert d.dispatch(100, 100, Classification(True, 1, None))[1] == BatchDescriptor(104, 104, 1)
+    assert d.dispatch(400, 100, Classification(True, 4, None))[1] == BatchDescriptor(416, 104, 4)
+    assert len(d.piecewise_descriptors()) == len(d.sizes)  # PIECEWISE keeps every token count

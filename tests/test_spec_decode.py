@@ -239,3 +239,28 @@ def test_disable_by_batch_size_drafts_nothing_and_stays_on_q1_graphs(qwen3_tiny)
     assert all(set(r) == {0} for r in rows if len(r) == 3) and any(set(r) == {3} for r in rows if len(r) == 1)
     assert llm.engine.graph_stats()["non_full_by_reason"] == {"prefill": 1}
     whole(llm)
+
+
+def test_drafts_that_do_not_fit_are_dropped_not_the_row(qwen3_tiny):
+    """A budget of 10 with K = 3 fits two drafting rows: the third decodes without drafts, every step (it was
+    skipped until the others finished); a pool too small for the lookahead drops drafts instead of preempting."""
+    llm = LLM(qwen3_tiny, max_num_batched_tokens=10, max_num_seqs=4, speculative_config=spec(3))
+    e = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for p in ["a b c", "d e f", "g h i"]:
+        e.add_request(p, sp)
+    e.step()
+    while e.scheduler.running and len(e.scheduler.running) == 3:
+        before = [r.num_output_tokens for r in e.scheduler.running]
+        e.step()
+        assert all(r.num_output_tokens > b for r, b in zip(e.scheduler.running, before) if not r.is_finished)
+    prompts = [f"{w} x {w} y {w}" for w in ("a", "b", "c", "d")]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks_override=20, max_num_seqs=4, max_model_len=40)
+    plain = LLM(qwen3_tiny, **kw)
+    ref = tokens(plain.generate(prompts, sp, use_tqdm=False))
+    llm = LLM(qwen3_tiny, speculative_config=spec(3), **kw)
+    llm.engine.scheduler.proposer.propose_padded_for = lambda req, k: [-1] * k  # placeholders: plain's tokens/step
+    assert tokens(llm.generate(prompts, sp, use_tqdm=False)) == ref
+    assert llm.engine.scheduler.num_preemptions <= plain.engine.scheduler.num_preemptions
+    whole(llm)

@@ -117,10 +117,12 @@ class Scheduler:
                 continue
             num_new = req.num_tokens - req.num_computed_tokens
             drafts = self._drafts(req) if drafting and num_new == 1 else _NO_DRAFTS
-            if drafts:
+            # All or nothing: drafts that do not fit the budget or the free blocks are dropped (the row decodes
+            # its one token), never cut short, and never the cause of a preemption.
+            if drafts and (1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts))):
                 num_new += len(drafts)
-                if num_new > budget:  # all or nothing: a row never verifies fewer drafts for lack of budget
-                    continue
+            else:
+                drafts = _NO_DRAFTS
             num_new = min(num_new, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding
-from pdserve.worker.attention import AttentionMetadata, attention, attention_masks
+from pdserve.attention.metadata import AttentionMetadata
+from pdserve.attention.torch_backend import TorchBackend
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,15 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, dtype)
         self.scale = d.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata, masks):
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata, attn, attn_state):
         d, t = self.d, x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x)).view(t, d.num_heads + 2 * d.num_kv_heads, d.head_dim)
         qk, v = qkv[:, :d.num_heads + d.num_kv_heads], qkv[:, d.num_heads + d.num_kv_heads:]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         qk = rope(positions, qk)
-        x = x + self.o_proj(attention(qk[:, :d.num_heads], qk[:, d.num_heads:], v, kv_cache, meta, masks,
-                                      self.scale))
+        x = x + self.o_proj(attn.forward(qk[:, :d.num_heads], qk[:, d.num_heads:], v, kv_cache, meta, attn_state,
+                                         self.scale))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -83,13 +84,15 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
         self.rope = RotaryEmbedding(d.head_dim, d.max_positions, d.rope, dtype)
         self.kv_caches: list[torch.Tensor] = []  # set by the model runner, one per layer
+        self.attn_backend = TorchBackend(torch.device("cpu"))  # the model runner sets the configured one
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         d = self.dims
-        masks = attention_masks(meta, self.kv_caches[0].shape[2], d.num_heads // d.num_kv_heads, x.dtype)
+        attn = self.attn_backend
+        state = attn.prepare(meta, self.kv_caches[0].shape[2], d.num_heads // d.num_kv_heads, x.dtype)
         for layer, cache in zip(self.layers, self.kv_caches):
-            x = layer(x, positions, self.rope, cache, meta, masks)
+            x = layer(x, positions, self.rope, cache, meta, attn, state)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

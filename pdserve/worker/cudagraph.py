@@ -2,10 +2,9 @@
 
 On CUDA each callable is captured once at start-up into a `torch.cuda.CUDAGraph` (largest first, one shared memory
 pool) and replayed per step. On CPU nothing can be captured: the same callable runs eagerly on the same buffers.
-Its attention reads fixed block-table widths: the whole table on CUDA (a graph's shapes are frozen); on CPU the
-rows, laid out by context width, form up to 4 groups, each attending through its widest row rounded up to 4
-blocks and capped at the table's width, so an eager FULL step does not pay for max_model_len keys per row (the
-K/V gather is most of a CPU decode step). Each (descriptor, layout) callable still has fixed shapes.
+Which block-table widths its attention reads is the attention backend's layout (`full_layout`): the whole table
+where the backend reads each row's own length on the device, width groups where it gathers up to the width. Each
+(descriptor, layout) callable has fixed shapes.
 """
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from pdserve.worker.attention import AttentionMetadata
+from pdserve.attention.metadata import AttentionMetadata
 from pdserve.worker.cudagraph_dispatch import BatchDescriptor
-from pdserve.worker.input_batch import InputBuffers, width_groups
+from pdserve.worker.input_batch import InputBuffers
 
 logger = logging.getLogger("pdserve.cudagraph")
 
@@ -34,10 +33,7 @@ class FullGraphRunner:
     def layout_for(self, desc: BatchDescriptor, row_blocks: list[int]) -> tuple:
         """Attention groups ((first row, end row, width), ...) over the descriptor's padded rows, `row_blocks` being
         the real rows' context widths in layout order (ascending)."""
-        full = self.buffers.max_blocks
-        if self.device.type == "cuda":
-            return ((0, desc.num_reqs, full),)
-        return width_groups(row_blocks, desc.num_reqs, round_to=4, max_width=full)
+        return self.model.attn_backend.full_layout(desc.num_reqs, row_blocks, self.buffers.max_blocks)
 
     def step_callable(self, desc: BatchDescriptor, layout: tuple) -> Callable[[], torch.Tensor]:
         key = (desc, layout)

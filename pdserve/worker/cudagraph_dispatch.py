@@ -79,14 +79,23 @@ def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prompt_l
     return Classification(True, q, None)
 
 
+def _upto_rows(sizes: list[int], q: int, max_rows: Optional[int]) -> list[int]:
+    if max_rows is None:
+        return sizes
+    i = bisect.bisect_left(sizes, q * max_rows)
+    return sizes[:i + 1]
+
+
 class CudagraphDispatcher:
     """Maps a step to (runtime mode, padded descriptor, reason). FULL decode descriptors are preferred for eligible
     batches, PIECEWISE (by token count) for the rest, NONE when nothing fits or eager is forced."""
 
     def __init__(self, capture_sizes: Sequence[int], mode: CUDAGraphMode, enforce_eager: bool,
-                 q: Union[int, Sequence[int]] = 1):
+                 q: Union[int, Sequence[int]] = 1, max_rows: Optional[int] = None):
         """`q`: the uniform query length(s) FULL graphs exist for: 1, and with speculative decoding also 1 + K
-        (a step that drafts nothing, e.g. under disable_by_batch_size, stays on q = 1 graphs)."""
+        (a step that drafts nothing, e.g. under disable_by_batch_size, stays on q = 1 graphs). `max_rows`
+        (max_num_seqs): no FULL graph has more rows than the first size that holds that many, since a batch never
+        does."""
         self.sizes = sorted(set(capture_sizes))
         self.max_size = self.sizes[-1] if self.sizes else 0
         self.mode = CUDAGraphMode.NONE if enforce_eager else mode
@@ -97,7 +106,7 @@ class CudagraphDispatcher:
         for n in range(1, self.max_size + 1):
             self.pad[n] = self.sizes[bisect.bisect_left(self.sizes, n)]
         # per query length: token count -> smallest FULL size (a multiple of q) that fits
-        self.full_sizes = {q: [s for s in self.sizes if s % q == 0] for q in self.qs}
+        self.full_sizes = {q: _upto_rows([s for s in self.sizes if s % q == 0], q, max_rows) for q in self.qs}
         self.full_pad: dict[int, dict[int, int]] = {}
         for q, sizes in self.full_sizes.items():
             table = self.full_pad[q] = {}

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.attention.metadata import AttentionMetadata, AttnGroup, width_groups
 from pdserve.core.block_pool import NULL_BLOCK
 from pdserve.core.kv_cache_manager import cdiv
-from pdserve.worker.attention import AttentionMetadata, AttnGroup
 from pdserve.worker.staging import CudaStaging
 
 
@@ -28,26 +28,6 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # their last-token index in the flattened batch
     layout: tuple | None = None  # FULL steps: the attention groups the buffers were filled for
     num_drafted: int = 0  # rows with drafts: each has all its positions in logits_rows (repeated), in order
-
-
-def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int = 4, round_to: int = 1,
-                 max_width: int | None = None) -> tuple[tuple[int, int, int], ...]:
-    """Split rows sorted by context width into up to `max_groups` contiguous groups of near-equal size, each
-    attending through its own widest row (rounded up to `round_to` blocks, never past `max_width`, the table's
-    width). The K/V gather is most of a CPU decode step, and one width for all rows makes every short row pay for
-    the longest. Rows past len(widths) (padding) join the last group."""
-    n = len(widths)
-    k = max(1, min(max_groups, n))
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    out = []
-    for i in range(k):
-        r0, r1 = bounds[i], bounds[i + 1]
-        if r1 > r0:
-            w = max(widths[r0:r1])
-            w = -(-w // round_to) * round_to
-            out.append([r0, r1, w if max_width is None else min(w, max_width)])
-    out[-1][1] = num_rows or n
-    return tuple(tuple(g) for g in out)
 
 
 class InputBuffers:

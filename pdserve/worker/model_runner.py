@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from pdserve.attention import make_backend
 from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.model.loader import load_model
@@ -49,6 +50,8 @@ class ModelRunner:
         if device.type == "cpu":
             self.model.pack_for_cpu()
         d = self.model.dims
+        self.model.attn_backend = make_backend(config.model.attention_backend, device, dtype, self.block_size,
+                                               d.head_dim)
         # Zeroed, so the null block and never-written slots hold finite values (masked keys are still multiplied).
         self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim, dtype=dtype,
                                       device=device) for _ in range(d.num_layers)]
@@ -59,11 +62,14 @@ class ModelRunner:
         self.is_pd_consumer = config.is_pd_consumer
         capture_sizes = comp.capture_sizes(sched.max_num_seqs)
         if self.uniform_query_len > 1 and not comp.cudagraph_capture_sizes:
-            # the FULL ladder becomes q x {1, 2, 4, 8, ...} rows (the default ladder read as row counts)
+            # the FULL ladder becomes q x {1, 2, 4, 8, ...} rows (the default ladder read as row counts, up to
+            # the first that holds max_num_seqs)
             q = self.uniform_query_len
-            capture_sizes = sorted(set(capture_sizes) | {q * s for s in capture_sizes if s <= sched.max_num_seqs})
+            rows = [s for s in capture_sizes if s < sched.max_num_seqs]
+            rows.append(next((s for s in capture_sizes if s >= sched.max_num_seqs), sched.max_num_seqs))
+            capture_sizes = sorted(set(capture_sizes) | {q * s for s in rows})
         self.dispatcher = CudagraphDispatcher(capture_sizes, CUDAGraphMode(comp.cudagraph_mode), comp.enforce_eager,
-                                              sorted({1, self.uniform_query_len}))
+                                              sorted({1, self.uniform_query_len}), sched.max_num_seqs)
         self.buffers = InputBuffers(max_tokens=max(self.max_num_tokens(), self.dispatcher.max_size),
                                     max_reqs=max(sched.max_num_seqs, self.dispatcher.max_size),
                                     max_blocks_per_req=cdiv(max_model_len, self.block_size),

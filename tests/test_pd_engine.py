@@ -620,3 +620,27 @@ def test_lease_renewed_for_requests_queued_behind_others(qwen3_tiny, collocated)
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
+
+
+def test_tcp_consumer_leaves_params_another_connector_made(qwen3_tiny):
+    """Params that name NixlConnector are not the tcp consumer's, whatever a MultiConnector's child order: it
+    neither loads them, nor keeps their lease alive, nor dials their peer to release it."""
+    from pdserve.request import Request
+    from pdserve.transfer.proof import prompt_hash
+    d = consumer(qwen3_tiny)
+    try:
+        ids = d.get_tokenizer()("def f(x):\n    return x\n" * 4).input_ids
+        params = {"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "p", "kv_connector":
+                  "NixlConnector", "remote_host": "127.0.0.1", "remote_port": 9, "num_prompt_tokens": len(ids),
+                  "prompt_hash": prompt_hash(ids),
+                  "lease_seconds": 30.0}
+        conn = d.engine.connector
+        for name, want in (("NixlConnector", 0), ("TcpConnector", len(ids) - 1)):
+            req = Request("r", ids, SamplingParams(max_tokens=1), kv_transfer_params={**params, "kv_connector": name})
+            conn.watch_lease(req)
+            conn.request_abandoned(req)
+            assert conn.get_num_new_matched_tokens(req, 0) == want, name
+            if not want:
+                assert not conn.consumer._queued and not conn.has_pending()
+    finally:
+        d.engine.shutdown()

@@ -20,7 +20,10 @@ from pdserve.transfer.tcp_producer import TcpProducer
 __all__ = ["BLOCKS_PER_READ", "Lease", "TcpConnector", "TransferStats", "prompt_hash"]
 
 
-@register_connector("TcpConnector")
+NAME = "TcpConnector"
+
+
+@register_connector(NAME)
 class TcpConnector(KVConnector):
     def __init__(self, config, engine):
         super().__init__(config, engine)
@@ -100,7 +103,9 @@ class TcpConnector(KVConnector):
         return self.consumer is not None and self.consumer.release_remote(params, request_id)
 
     def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
-        if self.consumer is None:  # a producer loads nothing: remote-prefill params sent here prefill locally
+        # a producer loads nothing (remote-prefill params sent here prefill locally), and params another
+        # connector made (NixlConnector's name them) are that connector's, whatever the order of a MultiConnector
+        if self.consumer is None or not _ours(req.kv_transfer_params):
             return 0
         return self.consumer.get_num_new_matched_tokens(req, num_local_computed)
 
@@ -118,11 +123,11 @@ class TcpConnector(KVConnector):
         return self.consumer.lease_time_left(req) if self.consumer is not None else 0.0
 
     def watch_lease(self, req: Request) -> None:
-        if self.consumer is not None:
+        if self.consumer is not None and _ours(req.kv_transfer_params):
             self.consumer.watch_lease(req)
 
     def request_abandoned(self, req: Request) -> None:
-        if self.consumer is not None:
+        if self.consumer is not None and _ours(req.kv_transfer_params):
             self.consumer.request_abandoned(req)
 
     # ---- both ----------------------------------------------------------------------------------------------
@@ -142,3 +147,8 @@ class TcpConnector(KVConnector):
         for role in (self.producer, self.consumer):
             if role is not None:
                 role.shutdown()
+
+
+def _ours(params) -> bool:
+    """Params a TcpConnector producer made: they name no connector (older ones) or this one."""
+    return (params or {}).get("kv_connector", NAME) == NAME

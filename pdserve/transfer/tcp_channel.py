@@ -123,7 +123,9 @@ def dial(host: str, port: int, token: bytes, compat: dict, until: float, tls: Op
     except BaseException as e:
         deadline.cancel()  # before the close: a fire must never reach a reused descriptor
         sock.close()
-        if deadline.hit and not isinstance(e, TimeoutError):
+        # a socket wait that ran out (EAGAIN from SO_RCVTIMEO) races the deadline's own shutdown: both are the
+        # deadline passing, whichever came first
+        if not isinstance(e, TimeoutError) and (deadline.hit or isinstance(e, TIMEOUTS)):
             raise TimeoutError("the deadline passed during the handshake") from e
         raise
     deadline.cancel()

@@ -47,6 +47,19 @@ def case(rng: random.Random, bs: int, qlen: int, group: int, rows: int, pad_rows
     return q, cache, table, positions
 
 
+def test_decode_kernel_half_precision_path():
+    """The non-IEEE branch (bf16/fp16 on a GPU) in fp16, which the interpreter computes faithfully (its bf16 dot
+    does not: a bf16 check needs a GPU, see benchmarks/cuda_decode_bench.py), against the torch backend in fp32."""
+    rng = random.Random(7)
+    ws = DecodeWorkspace(torch.device("cpu"))
+    for qlen, group in [(1, 4), (4, 2)]:
+        q, cache, table, positions = case(rng, 16, qlen, group, rows=3, pad_rows=1, width=3)
+        scale = q.shape[-1] ** -0.5
+        want = reference(q, cache, table, positions, scale)
+        got = paged_decode(q.half(), cache.half(), table, positions, scale, 2, ws)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode_kernel_matches_torch_backend(bs):
     rng = random.Random(bs)

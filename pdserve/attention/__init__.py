@@ -19,6 +19,11 @@ def _triton_available() -> bool:
     return True
 
 
+def _triton_unfit(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    return dtype not in (torch.float32, torch.bfloat16, torch.float16) or block_size < 16 or head_dim < 16 or \
+        bool(head_dim & (head_dim - 1))
+
+
 def resolve_backend_name(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -28,9 +33,12 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
-    """The backend `name` resolves to, after checking it can run this model: errors name the flag."""
-    name = resolve_backend_name(name, device)
-    if name == "torch":
+    """The backend `name` resolves to, after checking it can run this model: errors name the flag; `auto` takes
+    the torch backend for what the Triton one cannot run."""
+    resolved = resolve_backend_name(name, device)
+    if resolved == "triton" and name == "auto" and _triton_unfit(dtype, block_size, head_dim):
+        resolved = "torch"
+    if resolved == "torch":
         from pdserve.attention.torch_backend import TorchBackend
         return TorchBackend(device)
     if not _triton_available():

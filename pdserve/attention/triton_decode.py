@@ -100,20 +100,23 @@ def _combine(part_acc, part_ml, o_ptr, num_splits, Q: tl.constexpr, G: tl.conste
 
 
 class DecodeWorkspace:
-    """The splits' partial results, allocated once per (rows, KV heads, splits, tile) so a captured graph keeps
-    its addresses."""
+    """The splits' partial results: slices of one buffer that only grows. A grown buffer never frees the old one,
+    since a captured graph keeps reading the addresses it was captured with; capture runs the largest
+    descriptors first, so in practice it grows during capture only."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._acc = torch.empty(0, dtype=torch.float32, device=device)
+        self._ml = torch.empty(0, dtype=torch.float32, device=device)
+        self._old: list[torch.Tensor] = []
 
     def get(self, rows: int, kv_heads: int, splits: int, block_m: int, dim: int):
-        key = (rows, kv_heads, splits, block_m, dim)
-        if key not in self._bufs:
-            n = rows * kv_heads * splits * block_m
-            self._bufs[key] = (torch.empty(n, dim, dtype=torch.float32, device=self.device),
-                               torch.empty(n, 2, dtype=torch.float32, device=self.device))
-        return self._bufs[key]
+        n = rows * kv_heads * splits * block_m
+        if n * dim > self._acc.numel() or 2 * n > self._ml.numel():
+            self._old += [self._acc, self._ml]
+            self._acc = torch.empty(2 * n * dim, dtype=torch.float32, device=self.device)
+            self._ml = torch.empty(4 * n, dtype=torch.float32, device=self.device)
+        return self._acc[:n * dim].view(n, dim), self._ml[:2 * n].view(n, 2)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,

@@ -184,7 +184,7 @@ class Scheduler:
     def num_lookahead(self, req: Request) -> int:
         """Draft slots a decode step of `req` schedules: K, fewer where max_model_len ends the row (a position past
         it is never computed)."""
-        return 0 if self.spec is None else max(0, min(self.spec.num_speculative_tokens,
+        return 0 if self.spec is None else max(0, min(self.spec.num_lookahead_slots,
                                                       self.max_model_len - req.num_tokens))
 
     def _drafts(self, req: Request) -> list[int]:

@@ -49,10 +49,10 @@ from contextlib import suppress
 from typing import Optional
 
 from pdserve.config import LOOPBACK
-from pdserve.request import Request
 from pdserve.transfer import nixl_agent
-from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, register_connector
-from pdserve.transfer.leases import Lease, LeaseTable
+from pdserve.transfer.base import FinishedTransfers, register_connector
+from pdserve.transfer.leases import LeaseTable
+from pdserve.transfer.roles import RoleConnector
 from pdserve.transfer.nixl_consumer import NAME, NixlConsumer
 from pdserve.transfer.nixl_producer import NixlProducer
 from pdserve.transfer.tcp_blocks import TransferStats
@@ -123,7 +123,7 @@ def _threads() -> set[int]:
 
 
 @register_connector(NAME)
-class NixlConnector(KVConnector):
+class NixlConnector(RoleConnector):
     def __init__(self, config, engine):
         if not nixl_agent.available():
             raise RuntimeError(f"kv_transfer_config.kv_connector {NAME} needs nixl, which is not importable here: "
@@ -142,14 +142,6 @@ class NixlConnector(KVConnector):
             self.consumer = NixlConsumer(config, token, engine.compat_fields(), self.block_size, self.stats,
                                          self.nstats, engine)
             self.pool = self.consumer.pool
-
-    @property
-    def _lock(self):  # what the engine holds while it copies `stats`
-        return self.stats.lock
-
-    @property
-    def leases(self) -> dict[str, Lease]:
-        return self.lease_table.leases
 
     def register_kv_caches(self, kv_caches: list) -> None:
         super().register_kv_caches(kv_caches)
@@ -170,57 +162,6 @@ class NixlConnector(KVConnector):
     def nixl_stats(self) -> dict:
         return self.nstats.snapshot()
 
-    # ---- producer ------------------------------------------------------------------------------------------
-    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        return self.producer.request_finished(req, block_ids) if self.producer is not None else (False, None)
-
-    def leased_blocks(self) -> int:
-        return self.lease_table.num_blocks()
-
-    def release_lease(self, tid: str, request_id: str) -> bool:
-        """P: the router's release (POST /v1/kv/release) of a lease no decode node took; a claimed one stays
-        pinned until its reader's notification or hold."""
-        return self.lease_table.release(tid, request_id)
-
-    # ---- consumer ------------------------------------------------------------------------------------------
-    def _d(self) -> NixlConsumer:
-        if self.consumer is None:
-            raise RuntimeError("this NixlConnector is kv_producer: it reads from no producer")
-        return self.consumer
-
-    def peer_allowed(self, host: str, port: int) -> bool:
-        return self._d().peer_allowed(host, port)
-
-    def check_remote(self, params: dict) -> float:
-        return self._d().check_remote(params)
-
-    def release_remote(self, params: dict, request_id: str) -> bool:
-        return self.consumer is not None and self.consumer.release_remote(params, request_id)
-
-    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
-        return self.consumer.get_num_new_matched_tokens(req, num_local_computed) if self.consumer else 0
-
-    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
-        self._d().update_state_after_alloc(req, block_ids, num_local_computed)
-
-    def build_connector_meta(self) -> ConnectorMeta:
-        return self.consumer.build_connector_meta() if self.consumer is not None else ConnectorMeta()
-
-    def start_load_kv(self, meta: ConnectorMeta) -> None:
-        if meta.loads:
-            self._d().start_load_kv(meta)
-
-    def lease_time_left(self, req: Request) -> float:
-        return self.consumer.lease_time_left(req) if self.consumer is not None else 0.0
-
-    def watch_lease(self, req: Request) -> None:
-        if self.consumer is not None:
-            self.consumer.watch_lease(req)
-
-    def request_abandoned(self, req: Request) -> None:
-        if self.consumer is not None:
-            self.consumer.request_abandoned(req)
-
     # ---- both ----------------------------------------------------------------------------------------------
     def get_finished(self) -> FinishedTransfers:
         out = FinishedTransfers()
@@ -235,12 +176,7 @@ class NixlConnector(KVConnector):
             self.nstats.count("num_kv_expired_reqs", expired)
         return out
 
-    def has_pending(self) -> bool:
-        return bool(self.lease_table) or (self.consumer is not None and self.consumer.has_pending())
-
     def shutdown(self) -> None:
-        for role in (self.producer, self.consumer):
-            if role is not None:
-                role.shutdown()
+        super().shutdown()
         if self.agent is not None:
             self.agent.close()

@@ -10,8 +10,9 @@ Qwen3-0.6B shape in bf16 (`--shape 0.6b`; `tiny` for a CPU smoke run), then for 
    second against the GPU's copy bandwidth measured here (a device-to-device copy of 2 GiB);
 2. arrivals: `--batch` requests decoding at `--context` tokens while imported-KV replays (the D-side arrival driver:
    a local prefill of all but the last prompt token, then the replay row) arrive as a Poisson process per step, for
-   each rate x rule (strict, decode-shaped) x K (0, 3) x mode (FULL graphs, eager): median and p99 step ms, the
-   non-FULL share with reasons, tokens equal to eager's, FULL logits against eager's (max abs difference), and that
+   each rate x rule (strict, decode-shaped) x K (0, 3) x mode (FULL graphs with PIECEWISE for the rest, PIECEWISE
+   only, eager): median and p99 step ms, the non-FULL share with reasons, tokens equal to eager's, graph logits
+   against eager's (max abs difference), and that
    no KV block outside the ones handed to requests was written (padded rows stay on the null block).
 Results go to --out after every run (partial JSON if the time limit or an error stops it), and a seed-style table
 is printed at the end.
@@ -117,6 +118,14 @@ def kernel_bandwidth(device: str, dtype: torch.dtype, smoke: bool) -> dict:
             "share_of_copy": kv_bytes / t_kernel / copy_bw, "max_abs_err_vs_torch_fp32": float((got - ref).abs().max())}
 
 
+def capture_ladder(batch: int, q: int) -> list[int]:
+    """The sizes this scenario's steps can take (batch..batch + 32 rows of 1 or q tokens): every size a FULL step
+    needs, PIECEWISE every 8 (q = 1) or 32 tokens between, instead of the default ladder's ~L + 1 graphs for each of
+    ~40 sizes no step here reaches."""
+    rows = range(batch, batch + 33, 8)
+    return sorted({1, 2, 4, 8, 16, 32, *rows, *(q * r for r in rows), *range(q * batch, q * (batch + 32) + 1, 32)})
+
+
 class Run:
     """One (backend, mode, rule, K) engine: a scheduler and model runner over one KV pool, the arrival driver."""
 
@@ -125,7 +134,9 @@ class Run:
         self.device, self.context = device, context
         max_len = context + 256
         blocks = (batch + 32) * cdiv(max_len, 16) + 1
-        kw = {"enforce_eager": True} if mode == "NONE" else {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+        kw = {"enforce_eager": True} if mode == "NONE" else \
+            {"cudagraph_mode": "PIECEWISE" if mode == "PIECEWISE" else "FULL_AND_PIECEWISE",
+             "cudagraph_capture_sizes": ",".join(map(str, capture_ladder(batch, 1 + k)))}
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2} if k else None
         cfg = EngineConfig.from_kwargs(str(model), device=device, dtype=str(dtype).removeprefix("torch."),
                                        max_model_len=max_len, max_num_seqs=batch + 32, num_gpu_blocks_override=blocks,
@@ -256,7 +267,8 @@ def main() -> None:
         for backend in args.backends.split(","):
             for rate in map(float, args.rates.split(",")):
                 # eager first (it ignores the rule: one per backend, rate and K), the reference of the FULL runs
-                for rule, mode in (("decode-shaped", "NONE"), ("strict", "FULL"), ("decode-shaped", "FULL")):
+                for rule, mode in (("decode-shaped", "NONE"), ("strict", "FULL"), ("decode-shaped", "FULL"),
+                                   ("decode-shaped", "PIECEWISE")):
                     if True:
                         if time.monotonic() - t_start > args.time_limit:
                             print("time limit reached: partial results", flush=True)
@@ -296,15 +308,15 @@ def main() -> None:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'backend':>7} {'rate':>5} {'K':>2} {'rule':>14} {'mode':>5} {'median ms':>9} {'p99 ms':>8} "
+    lines = [f"{'backend':>7} {'rate':>5} {'K':>2} {'rule':>14} {'mode':>9} {'median ms':>9} {'p99 ms':>8} "
              f"{'non-FULL':>8}  reasons / check"]
     for r in result["runs"]:
         if "error" in r:
-            lines.append(f"{r['backend']:>7} {r['rate']:>5} {r['k']:>2} {r['rule']:>14} {r['mode']:>5}  "
+            lines.append(f"{r['backend']:>7} {r['rate']:>5} {r['k']:>2} {r['rule']:>14} {r['mode']:>9}  "
                          f"error: {r['error'][:80]}")
             continue
         check = "" if r["mode"] == "NONE" else f" tokens==eager {r.get('tokens_equal_eager')}"
-        lines.append(f"{r['backend']:>7} {r['rate']:>5} {r['k']:>2} {r['rule']:>14} {r['mode']:>5} "
+        lines.append(f"{r['backend']:>7} {r['rate']:>5} {r['k']:>2} {r['rule']:>14} {r['mode']:>9} "
                      f"{r['median_step_ms']:>9.2f} {r['p99_step_ms']:>8.2f} {100 * r['non_full_share']:>7.1f}%  "
                      f"{r['reasons'] or '-'}{check} blocks_clean {r['blocks_clean']}")
     return "\n".join(lines)

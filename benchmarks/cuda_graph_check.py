@@ -4,7 +4,7 @@
 
 Needs only torch, safetensors and the pdserve source tree (no server packages). It builds the small model with
 random weights directly (no tokenizer training: the engine is driven with token ids), then for batch 1, 8, 64:
-runs decode steps under FULL (captured graphs), PIECEWISE (padded, eager: its capture is not implemented) and
+runs decode steps under FULL (captured graphs), PIECEWISE (captured non-attention segments, attention eager) and
 eager (NONE), compares the greedy tokens, and reports the median step time of each mode.
 """
 from __future__ import annotations

@@ -44,6 +44,10 @@ class CacheConfig:
     kv_cache_memory_gb: float = _f(1.0, "Memory for the KV cache in GiB (capped at what max_num_seqs full-length "
                                         "sequences need).")
     num_gpu_blocks_override: Optional[int] = _f(None, "Use exactly this many KV blocks (tests, benchmarks).")
+    gpu_memory_utilization: Optional[float] = _f(None, "CUDA: the fraction of the GPU's memory this engine may use; "
+                                                 "the KV cache gets what is left after the weights, a largest-step "
+                                                 "forward's activations and the CUDA graphs' pool are measured "
+                                                 "(kv_cache_memory_gb is then ignored). Unset: kv_cache_memory_gb.")
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,8 @@ class EngineConfig:
              "max_num_batched_tokens must be >= max_num_seqs"),
             (s.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (c.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
+            (c.gpu_memory_utilization is None or 0 < c.gpu_memory_utilization <= 1,
+             "gpu_memory_utilization must be in (0, 1]"),
             (c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2,
              "num_gpu_blocks_override must be >= 2"),
             (self.model.max_model_len is None or self.model.max_model_len >= 1, "max_model_len must be >= 1"),

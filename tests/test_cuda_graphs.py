@@ -32,3 +32,24 @@ def test_capture_and_replay_match_eager(qwen3_tiny):
     assert graphs.graph_stats()["full_steps"] > 0
     _, toks_eager = _run(qwen3_tiny, enforce_eager=True)
     assert toks_graph == toks_eager
+
+
+def test_piecewise_capture_and_replay_match_eager(qwen3_tiny):
+    graphs, toks_graph = _run(qwen3_tiny, cudagraph_mode="PIECEWISE")
+    assert graphs.runner.piecewise.graphs and not graphs.runner.full_graphs.graphs
+    assert graphs.graph_stats()["steps"].get("PIECEWISE/none", 0) > 0
+    _, toks_eager = _run(qwen3_tiny, enforce_eager=True)
+    assert toks_graph == toks_eager
+
+
+def test_kv_cache_sized_after_graph_memory(qwen3_tiny):
+    free, total = torch.cuda.mem_get_info()
+    util = min(0.9, (total - free) / total + 0.05)  # 5% of the GPU above what is in use now
+    llm = LLM(qwen3_tiny, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+              gpu_memory_utilization=util)
+    e = llm.engine
+    assert e.runner.full_graphs.graphs and e.runner.piecewise.graphs
+    free_after, _ = torch.cuda.mem_get_info()
+    assert total - free_after <= util * total + 64 * 2 ** 20  # within the budget, allocator rounding aside
+    out = llm.generate([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -65,8 +65,8 @@ def test_separate_path_gives_the_same_tokens(qwen3_tiny):
     llm = LLM(qwen3_tiny, max_model_len=256)
     r, st = llm.engine.runner, LateStaging()
     old = r.buffers
-    r.buffers = r.full_graphs.buffers = InputBuffers(old.np_input_ids.shape[0], old.np_block_table.shape[0],
-                                                     old.max_blocks, old.block_size, old.device, staging=st)
+    r.buffers = r.full_graphs.buffers = r.piecewise.buffers = InputBuffers(
+        old.np_input_ids.shape[0], old.np_block_table.shape[0], old.max_blocks, old.block_size, old.device, staging=st)
     st.copy = lambda dst, src: dst.copy_(src)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -20,6 +20,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.transfer.base import make_connector
 from pdserve.transfer.proof import NOT_VERIFIED, PROBE_LABEL, prompt_hash, sign_params, verified_params
+from pdserve.worker import memory
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("pdserve.engine")
@@ -44,9 +45,16 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or min(max_pos, 4096)
         if self.max_model_len > max_pos:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
-        self.num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        from_memory = config.cache.gpu_memory_utilization is not None and config.cache.num_gpu_blocks_override is None
+        if from_memory and self.device.type != "cuda":
+            raise ValueError("--gpu-memory-utilization sizes the KV cache on a CUDA device; on CPU use "
+                             "--kv-cache-memory-gb")
+        self.num_blocks = 2 if from_memory else self._num_blocks()  # a probe cache, resized once measured
         self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
+        if from_memory:
+            self.num_blocks = self._blocks_from_memory()
+            self.runner.resize_kv(self.num_blocks)
+        self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.runner.capture_graphs()
         self.tokenizer = load_tokenizer(mc.model)
         self.connector = make_connector(config.kv_transfer, self)
@@ -72,6 +80,14 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({n - 1} blocks of {cc.block_size} tokens) cannot hold one max_model_len "
                              f"({self.max_model_len}) sequence; raise kv_cache_memory_gb or lower max_model_len")
         return n
+
+    def _blocks_from_memory(self) -> int:
+        cc = self.config.cache
+        per_seq = cdiv(self.max_model_len, cc.block_size)
+        per_block = kv_bytes_per_block(model_dims(self.hf_config, self.max_model_len), cc.block_size, self.dtype)
+        p = memory.profile(self.runner)
+        return memory.num_blocks_for(p, cc.gpu_memory_utilization, per_block,
+                                     self.config.scheduler.max_num_seqs * per_seq, per_seq)
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)

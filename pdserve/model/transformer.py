@@ -60,17 +60,25 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, dtype)
         self.scale = d.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata, attn, attn_state):
+    def pre_attention(self, x, positions, rope: RotaryEmbedding):
+        """The layer up to its attention's inputs: q [t, heads, dim], k and v [t, kv_heads, dim]."""
         d, t = self.d, x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x)).view(t, d.num_heads + 2 * d.num_kv_heads, d.head_dim)
         qk, v = qkv[:, :d.num_heads + d.num_kv_heads], qkv[:, d.num_heads + d.num_kv_heads:]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         qk = rope(positions, qk)
-        x = x + self.o_proj(attn.forward(qk[:, :d.num_heads], qk[:, d.num_heads:], v, kv_cache, meta, attn_state,
-                                         self.scale))
+        return qk[:, :d.num_heads], qk[:, d.num_heads:], v
+
+    def post_attention(self, x, attn_out):
+        """The layer from its attention's output: the residual stream after the MLP."""
+        x = x + self.o_proj(attn_out)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata, attn, attn_state):
+        q, k, v = self.pre_attention(x, positions, rope)
+        return self.post_attention(x, attn.forward(q, k, v, kv_cache, meta, attn_state, self.scale))
 
 
 class CausalLM(nn.Module):

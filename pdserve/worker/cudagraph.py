@@ -59,11 +59,11 @@ class FullGraphRunner:
         return self.step_callable(desc, layout)()
 
     @torch.inference_mode()
-    def capture(self, descriptors: list[BatchDescriptor], progress: bool = True) -> None:
-        """CUDA only: capture every FULL descriptor, largest first so smaller graphs reuse the pool's memory."""
+    def capture(self, descriptors: list[BatchDescriptor], pool, progress: bool = True) -> None:
+        """CUDA only: capture every FULL descriptor into `pool`, largest first so smaller graphs reuse its memory."""
         if self.device.type != "cuda" or not descriptors:
             return
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool
         order = sorted(descriptors, key=lambda d: d.num_tokens, reverse=True)
         bar = None
         if progress:

@@ -11,12 +11,14 @@ from pdserve.attention import make_backend
 from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.model.loader import load_model
+from pdserve.model.transformer import CausalLM
 from pdserve.model.sampler import Sampler
 from pdserve.spec_decode.verifier import SpecDecodeStats, verify
 from pdserve.worker.cudagraph import FullGraphRunner
 from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher, classify
 from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
+from pdserve.worker.piecewise import PiecewiseRunner
 
 
 _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
@@ -78,15 +80,68 @@ class ModelRunner:
         self.spec_stats = SpecDecodeStats()
         self.logits_hook = None  # tests: called as hook(requests, logits) for every sampling step
         self.full_graphs = FullGraphRunner(self.model, self.buffers, d.hidden_size, dtype, device)
+        # Segments need the decoder's layer structure; a stand-in model (the fuzzer's) runs PIECEWISE steps whole.
+        self.piecewise = PiecewiseRunner(self.model, self.buffers, dtype, device) \
+            if isinstance(self.model, CausalLM) else None
         self.graph_stats = GraphStats(device.type, captured=False,
                                       log_interval=comp.cudagraph_metrics_interval if comp.cudagraph_metrics else None)
 
     def capture_graphs(self, progress: bool = True) -> None:
-        """CUDA: capture the FULL decode graphs (PIECEWISE capture is not implemented: those steps run eagerly
-        on the padded buffers). CPU: nothing to capture."""
+        """CUDA: capture the FULL decode graphs, then the PIECEWISE segments, into one memory pool. CPU: nothing to
+        capture (both run the same callables eagerly)."""
         if self.device.type == "cuda":
-            self.full_graphs.capture(self.dispatcher.full_descriptors(), progress)
-            self.graph_stats.captured = bool(self.full_graphs.graphs)
+            pool = torch.cuda.graph_pool_handle()
+            self.full_graphs.capture(self.dispatcher.full_descriptors(), pool, progress)
+            if self.piecewise is not None:
+                self.piecewise.capture([dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()], pool,
+                                       progress)
+            self.graph_stats.captured = bool(self.full_graphs.graphs or self.piecewise and self.piecewise.graphs)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """A new KV cache of `num_blocks` (before any graph is captured: graphs bake in its addresses)."""
+        assert not (self.full_graphs.graphs or self.piecewise and self.piecewise.graphs), \
+            "KV cache resized under captured graphs"
+        d = self.model.dims
+        self.kv_caches.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.kv_caches.extend(torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim,
+                                          dtype=self.dtype, device=self.device) for _ in range(d.num_layers))
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest steps the scheduler can make, every token on the null block (memory.py): a prefill of the
+        whole token budget in rows of at most max_model_len, then max_num_seqs decode rows at max_model_len, each
+        with a sampling pass's logits and sort over every row."""
+        from pdserve.core.block_pool import NULL_BLOCK
+        from pdserve.core.scheduler import ScheduledRow
+        from pdserve.request import Request
+        from pdserve.sampling_params import SamplingParams
+        sp, n_max, seqs = SamplingParams(max_tokens=1), self.max_model_len, self.config.scheduler.max_num_seqs
+        null = [NULL_BLOCK] * cdiv(n_max, self.block_size)
+        budget = min(self.max_num_tokens(), self.buffers.np_input_ids.shape[0])
+        lens = [min(n_max, budget - i) for i in range(0, budget, n_max)][:seqs]
+        prefill = [ScheduledRow(Request(f"profile{i}", [0] * n, sp), 0, n) for i, n in enumerate(lens)]
+        decode = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - 1, 1) for i in range(seqs)]
+        for rows in (prefill, decode):
+            hidden = self.forward(self.buffers.prepare(rows, lambda _: null))
+            torch.sort(self.model.compute_logits(hidden[:1].expand(seqs, -1)), dim=-1)
+
+    @torch.inference_mode()
+    def probe_graphs(self) -> list:
+        """The largest FULL graph and the largest PIECEWISE size captured into a scratch pool (memory.py);
+        returned for the caller to drop."""
+        pool = torch.cuda.graph_pool_handle()
+        full = sorted(self.dispatcher.full_descriptors(), key=lambda dsc: dsc.num_tokens)[-1:]
+        pw = [dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()][-1:]
+        self.full_graphs.capture(full, pool, progress=False)
+        scratch = [self.full_graphs.graphs]
+        self.full_graphs.graphs = {}
+        if self.piecewise is not None:
+            self.piecewise.capture(pw, pool, progress=False)
+            scratch.append(self.piecewise.graphs)
+            self.piecewise.graphs = {}
+        return scratch
 
     def max_num_tokens(self) -> int:
         return max(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs)
@@ -125,11 +180,11 @@ class ModelRunner:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs,
                                          layout_fn=lambda widths: self.full_graphs.layout_for(desc, widths))
             hidden = self.full_graphs.run(desc, batch.layout)[batch.logits_indices]
+        elif mode == CUDAGraphMode.PIECEWISE and self.piecewise is not None:
+            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens)
+            hidden = self.piecewise.run(desc.num_tokens, batch.meta)[batch.logits_indices]
         else:
-            # PIECEWISE pads the token count to its captured size; its graphs are not captured yet, so the
-            # padded step runs eagerly.
-            padded = desc.num_tokens if mode == CUDAGraphMode.PIECEWISE else None
-            batch = self.buffers.prepare(rows, blocks_of, padded)
+            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens if mode == CUDAGraphMode.PIECEWISE else None)
             hidden = self.forward(batch)
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
         return self.sample(rows, batch, hidden)

@@ -1,0 +1,75 @@
+"""CUDA: the KV cache sized from `--gpu-memory-utilization`, after everything else on the GPU is measured.
+
+The order is what makes the number safe: (1) the model runner is built over a probe KV cache of two blocks (the
+weights and static buffers are then resident); (2) a forward of the largest step the scheduler can make (every
+token on the null block) and a sampling pass over max_num_seqs rows give the activations' peak; (3) the largest
+FULL graph and the largest PIECEWISE size are captured into a scratch pool, whose growth bounds the real pool,
+since every graph shares one pool and its temporaries (captured largest first, smaller graphs reuse that memory);
+(4) the scratch graphs are dropped and the KV cache gets the rest of the budget; (5) the engine captures the real
+graphs over it. Memory that other processes or the CUDA context hold counts against the budget too (as vLLM).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("pdserve.memory")
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    total: int  # the device's memory
+    non_torch: int  # held outside this process's caching allocator: other processes, the CUDA context
+    resident: int  # this engine's tensors without the KV cache: weights, static buffers
+    activations: int  # the largest step's peak above resident
+    graphs: int  # the graph pool's growth for the largest graphs
+
+
+def kv_cache_bytes(p: MemoryProfile, utilization: float) -> int:
+    """What the KV cache may take: the budget less everything measured (may be <= 0: the caller says so)."""
+    return int(utilization * p.total) - p.non_torch - p.resident - p.activations - p.graphs
+
+
+def num_blocks_for(p: MemoryProfile, utilization: float, bytes_per_block: int, max_blocks: int,
+                   blocks_per_seq: int) -> int:
+    """Blocks for the KV cache, the null block included, capped at `max_blocks` usable ones."""
+    usable = min(max(0, kv_cache_bytes(p, utilization)) // bytes_per_block, max_blocks)
+    if usable < blocks_per_seq:
+        gib = 2 ** 30
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization}: {usable} KV blocks fit, fewer than one max_model_len sequence "
+            f"needs ({blocks_per_seq}); of {p.total / gib:.1f} GiB, {p.non_torch / gib:.2f} GiB is held elsewhere, "
+            f"{p.resident / gib:.2f} GiB by weights and buffers, {p.activations / gib:.2f} GiB by activations, "
+            f"{p.graphs / gib:.2f} GiB by CUDA graphs; raise --gpu-memory-utilization or lower --max-model-len / "
+            f"--max-num-batched-tokens")
+    return usable + 1
+
+
+def _settle() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def profile(runner) -> MemoryProfile:
+    """Steps (2)-(3) above, on a runner built over the probe KV cache."""
+    _settle()
+    probe_kv = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    resident = torch.cuda.memory_allocated() - probe_kv
+    torch.cuda.reset_peak_memory_stats()
+    runner.profile_run()
+    _settle()
+    activations = max(0, torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated())
+    before = torch.cuda.memory_reserved()
+    scratch = runner.probe_graphs()
+    graphs = max(0, torch.cuda.memory_reserved() - before)
+    del scratch
+    _settle()
+    free, total = torch.cuda.mem_get_info()
+    non_torch = total - free - torch.cuda.memory_reserved()
+    p = MemoryProfile(total, non_torch, resident, activations, graphs)
+    logger.info("memory profile: %s", {k: f"{v / 2**30:.2f} GiB" for k, v in p.__dict__.items()})
+    return p

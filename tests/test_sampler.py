@@ -155,3 +155,24 @@ def test_inverse_cdf_draws_follow_the_distribution():
     assert (first, last) == (int(nonzero[0]), int(nonzero[-1]))
     nan = torch.full((1, vocab), float("nan"))
     assert 0 <= int(inverse_cdf(nan, torch.tensor([0.5], dtype=torch.float64))[0]) < vocab
+
+
+def test_cpu_fast_paths_match_torch():
+    """The numpy paths (argmax, sort, the cut) give torch's results: first of ties, NaN as the largest, -inf rows,
+    non-contiguous input."""
+    from pdserve.model.sampler import _cut_below_, _sort_asc, argmax
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randint(0, 4, (9, V), generator=g).to(dtype)  # many ties
+        x[2, 40] = float("nan")
+        x[3] = float("-inf")
+        x[4, ::2] = float("-inf")
+        assert torch.equal(argmax(x), x.argmax(-1))
+        assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(-1))
+        y = torch.randn(9, V, generator=g, dtype=dtype)
+        assert torch.equal(_sort_asc(y), y.sort(-1).values)
+        thr = y[:, 5:6].clone()
+        want = y.masked_fill(y < thr, torch.finfo(dtype).min)
+        assert torch.equal(_cut_below_(y.clone(), thr), want)
+        t = y.t().contiguous().t()  # a non-contiguous tensor takes torch's path
+        assert not t.is_contiguous() and torch.equal(_cut_below_(t, thr), want)

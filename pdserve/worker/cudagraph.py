@@ -15,6 +15,7 @@ import torch
 
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.worker.cudagraph_dispatch import BatchDescriptor
+from pdserve.worker.graph_capture import capture_each
 from pdserve.worker.input_batch import InputBuffers
 
 logger = logging.getLogger("pdserve.cudagraph")
@@ -65,21 +66,9 @@ class FullGraphRunner:
             return
         self.pool = pool
         order = sorted(descriptors, key=lambda d: d.num_tokens, reverse=True)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(order, desc="Capturing CUDA graphs (FULL decode)", unit="graph")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for desc in (bar or order):
-                step = self.step_callable(desc, self.layout_for(desc, []))
-                step()  # warm-up outside capture: lazy initialisation must not be recorded
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    step()
-                self.graphs[desc] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+
+        def one(desc: BatchDescriptor, capture) -> None:
+            self.graphs[desc] = capture(self.step_callable(desc, self.layout_for(desc, [])), pool)
+        capture_each(order, "FULL decode", "graph", progress, one)
         logger.info("captured %d FULL decode graphs (%d..%d tokens)", len(order), order[-1].num_tokens,
                     order[0].num_tokens)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from pdserve.attention.metadata import AttentionMetadata
+from pdserve.worker.graph_capture import capture_each
 from pdserve.worker.input_batch import InputBuffers
 
 logger = logging.getLogger("pdserve.cudagraph")
@@ -86,23 +87,9 @@ class PiecewiseRunner:
         if self.device.type != "cuda" or not sizes:
             return
         order = sorted(sizes, reverse=True)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(order, desc="Capturing CUDA graphs (PIECEWISE)", unit="size")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for n in (bar or order):
-                graphs = []
-                for seg in self.segments(n):
-                    seg()  # warm-up outside capture: lazy initialisation must not be recorded
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        seg()
-                    graphs.append(graph)
-                self.graphs[n] = graphs
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+
+        def one(n: int, capture) -> None:
+            self.graphs[n] = [capture(seg, pool) for seg in self.segments(n)]
+        capture_each(order, "PIECEWISE", "size", progress, one)
         logger.info("captured PIECEWISE graphs for %d sizes (%d..%d tokens), %d segments each", len(order),
                     order[-1], order[0], len(self.model.layers) + 1)

@@ -11,8 +11,8 @@ GIB = 2 ** 30
 
 
 def test_budget_less_every_measured_part():
-    p = MemoryProfile(total=80 * GIB, non_torch=GIB, resident=3 * GIB, activations=2 * GIB, graphs=GIB // 2)
-    assert kv_cache_bytes(p, 0.9) == int(0.9 * 80 * GIB) - GIB - 3 * GIB - 2 * GIB - GIB // 2
+    p = MemoryProfile(total=80 * GIB, held=4 * GIB, activations=2 * GIB, graphs=GIB // 2)
+    assert kv_cache_bytes(p, 0.9) == int(0.9 * 80 * GIB) - 4 * GIB - 2 * GIB - GIB // 2
     per_block = 3 * 2 ** 20 + 1  # odd: the floor matters
     want = kv_cache_bytes(p, 0.9) // per_block
     assert num_blocks_for(p, 0.9, per_block, 10 ** 9, 257) == want + 1  # + the null block
@@ -24,13 +24,13 @@ def test_budget_less_every_measured_part():
 
 @pytest.mark.parametrize("utilization", [0.05, 0.06])
 def test_too_little_names_the_flag_and_the_parts(utilization):
-    p = MemoryProfile(total=80 * GIB, non_torch=GIB, resident=3 * GIB, activations=GIB, graphs=GIB // 4)
+    p = MemoryProfile(total=80 * GIB, held=4 * GIB, activations=GIB, graphs=GIB // 4)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization .* CUDA graphs"):
         num_blocks_for(p, utilization, 2 ** 20, 10 ** 9, 4)
 
 
 def test_exactly_one_sequence_fits():
-    p = MemoryProfile(total=100 * GIB, non_torch=0, resident=0, activations=0, graphs=0)
+    p = MemoryProfile(total=100 * GIB, held=0, activations=0, graphs=0)
     per_block = int(0.5 * 100 * GIB) // 7
     assert num_blocks_for(p, 0.5, per_block, 10 ** 6, 7) == 8
     with pytest.raises(ValueError):

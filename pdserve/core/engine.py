@@ -56,6 +56,8 @@ class LLMEngine:
             self.runner.resize_kv(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.runner.capture_graphs()
+        if from_memory:
+            memory.check_after_capture(config.cache.gpu_memory_utilization)
         self.tokenizer = load_tokenizer(mc.model)
         self.connector = make_connector(config.kv_transfer, self)
         if self.connector is not None:

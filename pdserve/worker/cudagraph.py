@@ -60,7 +60,7 @@ class FullGraphRunner:
         return self.step_callable(desc, layout)()
 
     @torch.inference_mode()
-    def capture(self, descriptors: list[BatchDescriptor], pool, progress: bool = True) -> None:
+    def capture(self, descriptors: list[BatchDescriptor], pool, stream, progress: bool = True) -> None:
         """CUDA only: capture every FULL descriptor into `pool`, largest first so smaller graphs reuse its memory."""
         if self.device.type != "cuda" or not descriptors:
             return
@@ -69,6 +69,6 @@ class FullGraphRunner:
 
         def one(desc: BatchDescriptor, capture) -> None:
             self.graphs[desc] = capture(self.step_callable(desc, self.layout_for(desc, [])), pool)
-        capture_each(order, "FULL decode", "graph", progress, one)
+        capture_each(order, "FULL decode", "graph", stream, progress, one)
         logger.info("captured %d FULL decode graphs (%d..%d tokens)", len(order), order[-1].num_tokens,
                     order[0].num_tokens)

@@ -6,7 +6,8 @@ token on the null block) and a sampling pass over max_num_seqs rows give the act
 FULL graph and the largest PIECEWISE size are captured into a scratch pool, whose growth bounds the real pool,
 since every graph shares one pool and its temporaries (captured largest first, smaller graphs reuse that memory);
 (4) the scratch graphs are dropped and the KV cache gets the rest of the budget; (5) the engine captures the real
-graphs over it. Memory that other processes or the CUDA context hold counts against the budget too (as vLLM).
+graphs over it. Memory that other processes or the CUDA context hold counts against the budget too (as vLLM), and
+so does whatever the allocator keeps cached: the budget is read off the device, not the allocator.
 """
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ logger = logging.getLogger("pdserve.memory")
 @dataclass(frozen=True)
 class MemoryProfile:
     total: int  # the device's memory
-    non_torch: int  # held outside this process's caching allocator: other processes, the CUDA context
-    resident: int  # this engine's tensors without the KV cache: weights, static buffers
-    activations: int  # the largest step's peak above resident
-    graphs: int  # the graph pool's growth for the largest graphs
+    held: int  # in use once profiled, the probe KV cache aside: weights, static buffers, workspaces (cuBLAS,
+    # Triton's), the allocator's cached slack, the CUDA context and other processes
+    activations: int  # the largest step's peak above what stays allocated
+    graphs: int  # the graph pool's growth for the largest graphs (released after the probe, taken again)
 
 
 def kv_cache_bytes(p: MemoryProfile, utilization: float) -> int:
     """What the KV cache may take: the budget less everything measured (may be <= 0: the caller says so)."""
-    return int(utilization * p.total) - p.non_torch - p.resident - p.activations - p.graphs
+    return int(utilization * p.total) - p.held - p.activations - p.graphs
 
 
 def num_blocks_for(p: MemoryProfile, utilization: float, bytes_per_block: int, max_blocks: int,
@@ -41,10 +42,10 @@ def num_blocks_for(p: MemoryProfile, utilization: float, bytes_per_block: int, m
         gib = 2 ** 30
         raise ValueError(
             f"--gpu-memory-utilization {utilization}: {usable} KV blocks fit, fewer than one max_model_len sequence "
-            f"needs ({blocks_per_seq}); of {p.total / gib:.1f} GiB, {p.non_torch / gib:.2f} GiB is held elsewhere, "
-            f"{p.resident / gib:.2f} GiB by weights and buffers, {p.activations / gib:.2f} GiB by activations, "
-            f"{p.graphs / gib:.2f} GiB by CUDA graphs; raise --gpu-memory-utilization or lower --max-model-len / "
-            f"--max-num-batched-tokens")
+            f"needs ({blocks_per_seq}); of {p.total / gib:.1f} GiB, {p.held / gib:.2f} GiB is held (weights, "
+            f"buffers, other processes), {p.activations / gib:.2f} GiB goes to activations, {p.graphs / gib:.2f} "
+            f"GiB to CUDA graphs; raise --gpu-memory-utilization or lower --max-model-len / "
+            f"--max-num-batched-tokens / --max-num-seqs")
     return usable + 1
 
 
@@ -58,10 +59,10 @@ def profile(runner) -> MemoryProfile:
     """Steps (2)-(3) above, on a runner built over the probe KV cache."""
     _settle()
     probe_kv = sum(c.numel() * c.element_size() for c in runner.kv_caches)
-    resident = torch.cuda.memory_allocated() - probe_kv
     torch.cuda.reset_peak_memory_stats()
     runner.profile_run()
     _settle()
+    # what the step freed again; what it left allocated (workspaces grown for it) is counted in `held` below
     activations = max(0, torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated())
     before = torch.cuda.memory_reserved()
     scratch = runner.probe_graphs()
@@ -69,7 +70,17 @@ def profile(runner) -> MemoryProfile:
     del scratch
     _settle()
     free, total = torch.cuda.mem_get_info()
-    non_torch = total - free - torch.cuda.memory_reserved()
-    p = MemoryProfile(total, non_torch, resident, activations, graphs)
+    p = MemoryProfile(total, total - free - probe_kv, activations, graphs)
     logger.info("memory profile: %s", {k: f"{v / 2**30:.2f} GiB" for k, v in p.__dict__.items()})
     return p
+
+
+def check_after_capture(utilization: float) -> None:
+    """Graph instantiation also takes device memory outside the allocator, for every graph, which the probe of
+    the largest ones cannot see: say so when the engine ended up over its budget."""
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    if used > utilization * total:
+        logger.warning("after graph capture the GPU has %.2f GiB in use, %.2f GiB over --gpu-memory-utilization "
+                       "%.2f: lower it, or capture fewer sizes (--max-cudagraph-capture-size)", used / 2**30,
+                       (used - utilization * total) / 2**30, utilization)

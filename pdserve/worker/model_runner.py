@@ -81,6 +81,7 @@ class ModelRunner:
         self.logits_hook = None  # tests: called as hook(requests, logits) for every sampling step
         self.full_graphs = FullGraphRunner(self.model, self.buffers, d.hidden_size, dtype, device)
         # Segments need the decoder's layer structure; a stand-in model (the fuzzer's) runs PIECEWISE steps whole.
+        self._capture_stream = None
         self.piecewise = PiecewiseRunner(self.model, self.buffers, dtype, device) \
             if isinstance(self.model, CausalLM) else None
         self.graph_stats = GraphStats(device.type, captured=False,
@@ -90,12 +91,19 @@ class ModelRunner:
         """CUDA: capture the FULL decode graphs, then the PIECEWISE segments, into one memory pool. CPU: nothing to
         capture (both run the same callables eagerly)."""
         if self.device.type == "cuda":
-            pool = torch.cuda.graph_pool_handle()
-            self.full_graphs.capture(self.dispatcher.full_descriptors(), pool, progress)
+            pool, stream = torch.cuda.graph_pool_handle(), self.capture_stream()
+            self.full_graphs.capture(self.dispatcher.full_descriptors(), pool, stream, progress)
             if self.piecewise is not None:
                 self.piecewise.capture([dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()], pool,
-                                       progress)
+                                       stream, progress)
             self.graph_stats.captured = bool(self.full_graphs.graphs or self.piecewise and self.piecewise.graphs)
+
+    def capture_stream(self) -> "torch.cuda.Stream":
+        """The one side stream every capture runs on: the caching allocator reuses a freed block only on the stream
+        that allocated it, so FULL and PIECEWISE graphs share their pool's memory only on one stream."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        return self._capture_stream
 
     def resize_kv(self, num_blocks: int) -> None:
         """A new KV cache of `num_blocks` (before any graph is captured: graphs bake in its addresses)."""
@@ -110,22 +118,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """The largest steps the scheduler can make, every token on the null block (memory.py): a prefill of the
-        whole token budget in rows of at most max_model_len, then max_num_seqs decode rows at max_model_len, each
-        with a sampling pass's logits and sort over every row."""
+        """The largest steps the scheduler can make, every token on the null block (memory.py): the whole token
+        budget as the last chunks of max_model_len prompts (the most context a chunk can attend), then max_num_seqs
+        decode rows at max_model_len; after each, the sampler over every position a step can score (each row's
+        1 + K with speculative decoding) with every filter and the most logprobs on."""
         from pdserve.core.block_pool import NULL_BLOCK
         from pdserve.core.scheduler import ScheduledRow
         from pdserve.request import Request
         from pdserve.sampling_params import SamplingParams
-        sp, n_max, seqs = SamplingParams(max_tokens=1), self.max_model_len, self.config.scheduler.max_num_seqs
+        n_max, seqs = self.max_model_len, self.config.scheduler.max_num_seqs
+        sp = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=20,
+                            repetition_penalty=1.1)
         null = [NULL_BLOCK] * cdiv(n_max, self.block_size)
         budget = min(self.max_num_tokens(), self.buffers.np_input_ids.shape[0])
         lens = [min(n_max, budget - i) for i in range(0, budget, n_max)][:seqs]
-        prefill = [ScheduledRow(Request(f"profile{i}", [0] * n, sp), 0, n) for i, n in enumerate(lens)]
+        prefill = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - n, n) for i, n in enumerate(lens)]
         decode = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - 1, 1) for i in range(seqs)]
+        scored = [Request(f"profile{i}", [0] * n_max, sp) for i in range(seqs * self.uniform_query_len)]
         for rows in (prefill, decode):
             hidden = self.forward(self.buffers.prepare(rows, lambda _: null))
-            torch.sort(self.model.compute_logits(hidden[:1].expand(seqs, -1)), dim=-1)
+            self.sampler(self.model.compute_logits(hidden[:1].expand(len(scored), -1)), scored)
 
     @torch.inference_mode()
     def probe_graphs(self) -> list:
@@ -134,11 +146,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         full = sorted(self.dispatcher.full_descriptors(), key=lambda dsc: dsc.num_tokens)[-1:]
         pw = [dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()][-1:]
-        self.full_graphs.capture(full, pool, progress=False)
+        self.full_graphs.capture(full, pool, self.capture_stream(), progress=False)
         scratch = [self.full_graphs.graphs]
         self.full_graphs.graphs = {}
         if self.piecewise is not None:
-            self.piecewise.capture(pw, pool, progress=False)
+            self.piecewise.capture(pw, pool, self.capture_stream(), progress=False)
             scratch.append(self.piecewise.graphs)
             self.piecewise.graphs = {}
         return scratch

@@ -82,7 +82,7 @@ class PiecewiseRunner:
         return self.x[:n]
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int], pool, progress: bool = True) -> None:
+    def capture(self, sizes: list[int], pool, stream, progress: bool = True) -> None:
         """CUDA only: capture every segment of every size, largest size first, into `pool`."""
         if self.device.type != "cuda" or not sizes:
             return
@@ -90,6 +90,6 @@ class PiecewiseRunner:
 
         def one(n: int, capture) -> None:
             self.graphs[n] = [capture(seg, pool) for seg in self.segments(n)]
-        capture_each(order, "PIECEWISE", "size", progress, one)
+        capture_each(order, "PIECEWISE", "size", stream, progress, one)
         logger.info("captured PIECEWISE graphs for %d sizes (%d..%d tokens), %d segments each", len(order),
                     order[-1], order[0], len(self.model.layers) + 1)

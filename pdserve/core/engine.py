@@ -69,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
         self._counter = 0
+        self._token_texts: dict[int, str] = {}
 
     def _num_blocks(self) -> int:
         cc = self.config.cache
@@ -348,9 +349,13 @@ class LLMEngine:
         if req.sampling_params.logprobs is not None:
             logprobs = req.logprobs if cumulative else req.logprobs[len(req.logprobs) - len(new_ids):]
             fresh = logprobs if kind == RequestOutputKind.FINAL_ONLY else logprobs[len(logprobs) - len(new_ids):]
+            texts = self._token_texts  # one token's text never changes: decoded once per id
             for entry in fresh:
                 for tok, lp in entry.items():
-                    lp.decoded_token = self.tokenizer.decode([tok])
+                    text = texts.get(tok)
+                    if text is None:
+                        text = texts[tok] = self.tokenizer.decode([tok])
+                    lp.decoded_token = text
         metrics = req.metrics
         if finished:
             metrics.finished_time = time.monotonic()

@@ -17,14 +17,17 @@ bytes between the same two processes over a plain loopback socket with the same 
 cache), `plain_blocks` sends the lease's blocks themselves into D's blocks (a transport with no framing or
 authentication: same bytes, same memory); `ratio` is plain's time over the pull's. At 256 ascending blocks also the
 same pull over TLS (a second KV server on P with a self-signed cert, a consumer trusting it), warm too. Median of
---reps each.
+--reps each. P runs on core 0 and D on core 1 throughout, baselines included, as two hosts would: left to the
+scheduler, D's reader was often woken onto the core of P's KV server thread (a socket's wake-up hints that the two
+share it), where that thread, at nice kv_server_nice, got a sliver of the core: warm pulls then took twice as long,
+in streaks and on long-lived sessions most, while the plain copies (a fresh connection, a nice-0 sender) did not.
 
 P's step slowdown. On 2 cores a reader competes with P for CPU, and its work (receive, verify, write into D's
-blocks) is D's, not P's: so P runs on core 0 with 1 torch thread and D on core 1. P's KV server threads share P's
-core, so whatever P spends on serving shows in P's step time. P prefills 256-token prompts, 512 tokens a step, each
-ending under a lease: alone (leases confirmed without a read), while D pulls every lease P produces (the load P
-makes itself), and while D pulls a 256-block lease back to back (a stress bound: D reading as fast as it can;
-P's KV server threads run at nice kv_server_nice, 12 by default, which is what bounds this one).
+blocks) is D's, not P's: so P runs on core 0 with 1 torch thread and D on core 1 (as above). P's KV server threads
+share P's core, so whatever P spends on serving shows in P's step time. P prefills 256-token prompts, 512 tokens a
+step, each ending under a lease: alone (leases confirmed without a read), while D pulls every lease P produces (the
+load P makes itself), and while D pulls a 256-block lease back to back (a stress bound: D reading as fast as it
+can; P's KV server threads run at nice kv_server_nice, 12 by default, which is what bounds this one).
 
 The machine is shared: each timed phase waits for the CPU to be quiet, records the load, and is redone (up to
 --retries) when other processes used more than 0.3 cores during it.
@@ -332,6 +335,8 @@ def main() -> None:
     b = Bench(model)
     run = lambda fn: phase(fn, b.child.pid, args.retries, args.wait_idle)  # noqa: E731
     try:
+        pin({0})  # P's KV server threads, made later, inherit it from its accept threads
+        b.conn.send(("pin", {1}))
         rows = []
         log(f"{'blocks':>6} {'MB':>8} {'tcp GB/s':>9} {'plain GB/s':>10} {'ratio':>6} {'plain_blocks':>12} "
             f"{'ratio':>6} {'cold ms':>8} {'ratio':>6}")
@@ -344,8 +349,6 @@ def main() -> None:
                 f"{row['ratio_to_plain_blocks']:>6.2f} {row['cold_ms']:>8.2f} {row['cold_ratio']:>6.2f}   "
                 f"(load {row['loadavg_1m_before']:.2f}, others {row['other_cores_during']})"
                 + (f"; over TLS {row['tls_gbps']:.2f} GB/s" if "tls_gbps" in row else ""))
-        pin({0})
-        b.conn.send(("pin", {1}))
         b.prefill_steps(2, "alone")  # warm-up at 1 thread
         steps = {m: run(lambda: b.prefill_steps(args.steps, m)) for m in ("alone", "pulled", "stress")}
         alone = steps["alone"]

@@ -1,17 +1,21 @@
 """The tcp KV transport's reused sessions: one handshake per producer for many transfers, a failure that costs only
-its own session, P's idle timeout, and D's `check_remote`. Every scenario ends with both block pools whole."""
+its own session, P's idle timeout, and D's `check_remote`. Every scenario ends with both block pools whole. Also a
+session's receiver on TCP, which sleeps until a group is in, woken for every frame however its bytes trickle in."""
 from __future__ import annotations
 
+import os
+import random
 import socket
 import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import KVTransferConfig
-from pdserve.transfer.protocol import ProtocolError, Session, client_handshake
+from pdserve.transfer.protocol import GROUP, TAIL, ProtocolError, Session, client_handshake, tune
 from pdserve.transfer.tcp import TcpConnector
 from tests.server_harness import free_port
 from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, consumer, drain, prefill_on, producer
@@ -211,3 +215,60 @@ def test_producer_gone_fails_the_load_on_a_pooled_session(qwen3_tiny, local):
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
+
+
+class _Wire:
+    """Stands in for a producer's socket: keeps what its session sends."""
+    family = socket.AF_UNIX
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def sendmsg(self, views) -> int:
+        for v in views:
+            self.data += memoryview(v).cast("B")
+        return sum(memoryview(v).nbytes for v in views)
+
+
+def test_trickled_frames_wake_the_receiver_in_time():
+    """A receiver on TCP sleeps until a whole group is in (SO_RCVLOWAT), a mark that must never pass what is
+    still to come: frames of sizes around the group boundaries, arriving in uneven pieces with pauses (so waits
+    begin with part of a group already copied), are each received whole and verified well within the socket's
+    timeout, and the mark is back to 1 between frames."""
+    key, rng = os.urandom(32), np.random.default_rng(1)
+    sizes = [1, TAIL - 1, TAIL + 1, GROUP - 1, GROUP + TAIL + 7, 3 * GROUP + 5, 2 * GROUP + 2 * TAIL]
+    payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    wire = _Wire()
+    sender = Session(wire, key, is_consumer=False)
+    for i, payload in enumerate(payloads):
+        sender.send({"i": i}, payload)
+    pieces, pos, chop = [], 0, random.Random(2)
+    while pos < len(wire.data):
+        n = chop.choice([1, 100, 5000, 60_000, TAIL, GROUP // 2 + 3])
+        pieces.append(bytes(wire.data[pos:pos + n]))
+        pos += n
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        def trickle():
+            conn, _ = srv.accept()
+            with conn:
+                for k, piece in enumerate(pieces):
+                    conn.sendall(piece)
+                    if k % 3 == 0:
+                        time.sleep(0.002)
+                conn.recv(1)  # until the receiver is done
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        sock = socket.create_connection(srv.getsockname())
+        try:
+            tune(sock, timeout=5.0)  # a wait that never ended would raise after 5 s
+            receiver = Session(sock, key, is_consumer=True)
+            for i, payload in enumerate(payloads):
+                t0, into = time.monotonic(), [memoryview(bytearray(payload.nbytes))]
+                header, got = receiver.recv(into=into)
+                assert header == {"i": i} and bytes(got[0]) == payload.tobytes()
+                assert time.monotonic() - t0 < 2.0
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        finally:
+            sock.close()
+        t.join(5)

@@ -19,8 +19,10 @@ advances by 1 + accepted only (capped at the kept tokens), so rejected KV is nev
 """
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 from pdserve.config import SchedulerConfig
@@ -252,6 +254,22 @@ class Scheduler:
                 self.waiting.appendleft(req)  # finish_request takes it from there
                 failed.append(self.finish_request(rid, RequestStatus.FINISHED_ERROR, fin.failed[rid]))
         return failed
+
+    def hold_blocks(self, request_id: str, label: str) -> Optional[str]:
+        """D: keep the blocks a load of `request_id` may still write out of use, under an id of their own, while the
+        request goes on (its failure policy) without them: for a load that cannot be stopped (a posted one-sided
+        read). They are freed when a finished transfer reports that id (`process_transfers`), which the caller
+        does once the load has ended. Returns the id: the request's own when it finished while loading (its
+        deferred_free entry holds them already), a new stand-in `<request_id>#<label>-<hex>` while it waits for
+        the load; None when it is neither (no load of it holds blocks)."""
+        if request_id in self.deferred_free:
+            return request_id
+        if request_id not in self.loading:
+            return None
+        standin = f"{request_id}#{label}-{uuid.uuid4().hex[:8]}"
+        self.kv.req_blocks[standin] = self.kv.req_blocks.pop(request_id, [])
+        self.deferred_free[standin] = SimpleNamespace(request_id=standin)  # all kv.free reads of a request
+        return standin
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -4,24 +4,23 @@ The tcp consumer (tcp_consumer.py) does everything that does not move KV: it che
 requests alive, renews and releases (`check_remote`, `release_remote`), and sends the bare `done`s. Here: a loader
 thread claims the lease over a pooled session and posts one prepared READ; one poller thread follows every read to
 its end. A posted read cannot be cancelled, so the blocks under it stay out of use until it ends in DONE or ERR,
-even when the request has moved on (the failure policy ran at the deadline, or the request was aborted).
+even when the request has moved on (the failure policy ran at the deadline, or the request was aborted): the
+scheduler holds them (`hold_blocks`). P's agents, added on first sight, are nixl_peers.py's.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import uuid
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Optional
 
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, LoadJob
 from pdserve.transfer.nixl_agent import NixlError, Transfer
+from pdserve.transfer.nixl_peers import AgentPeers
 from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
 from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
 from pdserve.transfer.tcp_consumer import TcpConsumer
@@ -44,27 +43,23 @@ class _Read:
     queued: float
     deadline: float  # past it D never uses what the read wrote: P's hold on the blocks may be over
     overdue: bool = False
-    report_as: Optional[str] = None  # the deferred_free entry that holds its blocks once overdue
+    report_as: Optional[str] = None  # the id the scheduler holds its blocks under once overdue (hold_blocks)
 
 
 class NixlConsumer:
     def __init__(self, config, token: bytes, compat: dict, block_size: int, stats: TransferStats, nstats, engine):
         self.config, self.stats, self.nstats, self.engine = config, stats, nstats, engine
         self.tcp = TcpConsumer(config, token, compat, block_size, KVBlocks(), stats)
-        self.pool, self.agent = self.tcp.pool, None
+        self.pool, self.agent, self.peers = self.tcp.pool, None, None
         self._cv = threading.Condition()
         self._reads: list[_Read] = []
         self._events: list[tuple] = []  # (kind, request id, why, read): for the engine thread
         self._loading = 0  # loads between their start and their post (or failure)
-        self._agents: dict[tuple, str] = {}  # P's endpoint -> its agent's name, once added
-        self._users: Counter = Counter()  # agent name -> loads that resolved it and whose read has not ended
-        self._suspect: set[str] = set()  # agents a read failed on: removed once none is in use
-        self._peer_lock = threading.Lock()  # one add_peer per agent
         self._loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-nixl-load")
         self._closed = False
 
     def attach(self, agent) -> None:
-        self.agent = agent
+        self.agent, self.peers = agent, AgentPeers(agent)
         threading.Thread(target=self._poll, name="kv-nixl-poll", daemon=True).start()
 
     # ---- what the tcp consumer answers, for params made by a NixlConnector -------------------------------------
@@ -139,7 +134,7 @@ class NixlConsumer:
             with self._cv:
                 self._events.append(("failed", job.request_id, f"KV load failed ({cause}): {e}", None))
             if claim is not None:  # claimed, nothing posted: P may free the blocks now
-                self._release_agent(claim[0], suspect=isinstance(e, NixlError))
+                self.peers.release(claim[0], suspect=isinstance(e, NixlError))
                 self._tell_done(endpoint, tid)
         finally:
             with self._cv:
@@ -155,42 +150,18 @@ class NixlConsumer:
         header, _ = session.recv(into=[])
         if header.get("status") != "ok" or len(header.get("block_ids", ())) != len(job.dst_blocks):
             raise ProtocolError(f"producer answered {header.get('status')!r} to the claim of transfer {tid}")
-        name, meta = str(header["agent"]), None
-        while True:  # the metadata round trip runs outside the lock: the poller takes it too
-            with self._peer_lock:
-                if name in self.agent.peers or meta is not None:
-                    if name not in self.agent.peers:
-                        old = self._agents.get(endpoint)
-                        self.agent.add_peer(*meta)
-                        self._agents[endpoint] = name
-                        if old is not None and old != name:  # P restarted: its old agent goes once no read needs it
-                            self._suspect.add(old)
-                            self._forget_if_unused(old)
-                    self._users[name] += 1
-                    break
+        name = str(header["agent"])
+
+        def fetch() -> tuple:
             session.send({"op": "nixl_meta"})
             answer, views = session.recv()
             if answer.get("status") != "ok" or not views:
                 raise ProtocolError(f"producer answered {answer.get('status')!r} for its NIXL metadata")
-            meta = (bytes(views[0]), answer["layout"])
+            return bytes(views[0]), answer["layout"]
+
+        self.peers.use(endpoint, name, fetch)
         # P's hold starts when the claim reaches it, after `sent`: this side gives up on the read first.
         return name, [int(b) for b in header["block_ids"]], min(until, sent + float(header["hold_seconds"]))
-
-    def _release_agent(self, name: str, suspect: bool = False) -> None:
-        """One use of agent `name` ended. A suspect agent (a read of it failed, or P moved to a new one) is removed
-        once no use is left: remove_peer would force-release reads still in flight, which go on writing."""
-        with self._peer_lock:
-            self._users[name] -= 1
-            if suspect:
-                self._suspect.add(name)
-            self._forget_if_unused(name)
-
-    def _forget_if_unused(self, name: str) -> None:  # under _peer_lock
-        if name in self._suspect and self._users[name] <= 0:
-            self._suspect.discard(name)
-            del self._users[name]
-            self._agents = {k: v for k, v in self._agents.items() if v != name}
-            self.agent.remove_peer(name)
 
     def _tell_done(self, endpoint: Optional[tuple], tid: str) -> None:
         """P frees a claimed lease on `done` from its claimant (D will use nothing a read of it wrote); when this
@@ -241,7 +212,7 @@ class NixlConsumer:
         self.agent.release(r.xfer)
         with self._cv:
             self._reads.remove(r)
-        self._release_agent(r.peer, suspect=state == "ERR")
+        self.peers.release(r.peer, suspect=state == "ERR")
         if state == "ERR" and not r.overdue:  # P may be alive (then it frees now), or gone (then nothing is lost)
             with suppress(RuntimeError):  # shut down meanwhile
                 self._loaders.submit(self._tell_done, r.endpoint, str(r.job.params.get("transfer_id")))
@@ -252,9 +223,8 @@ class NixlConsumer:
             self._events.append((kind, r.job.request_id, why, r))
 
     def take_finished(self) -> tuple[set[str], dict[str, str]]:
-        """Engine thread. An overdue read's request goes on now (the failure policy) without its blocks: they move
-        to a stand-in in the scheduler's deferred_free (as those of a request finished while loading), freed when
-        the read ends."""
+        """Engine thread. An overdue read's request goes on now (the failure policy) without its blocks: the
+        scheduler holds them (as those of a request finished while loading) until the read's end reports them."""
         done, failed = self.tcp.take_finished()
         with self._cv:
             events, self._events = self._events, []
@@ -264,23 +234,12 @@ class NixlConsumer:
             elif kind == "failed":
                 failed[rid] = why
             elif kind == "overdue":
-                r.report_as = self._quarantine(rid)
+                r.report_as = self.engine.scheduler.hold_blocks(rid, "nixl-read")
                 if r.report_as != rid:
                     failed[rid] = why
             elif r.report_as is not None:  # "ended": the overdue read is over, its blocks may be reused
                 failed[r.report_as] = why
         return done, failed
-
-    def _quarantine(self, rid: str) -> Optional[str]:
-        sched, kv = self.engine.scheduler, self.engine.kv
-        if rid in sched.deferred_free:  # finished while loading: its blocks are already held until we report
-            return rid
-        if rid not in sched.loading:
-            return None
-        standin = f"{rid}#nixl-read-{uuid.uuid4().hex[:8]}"
-        kv.req_blocks[standin] = kv.req_blocks.pop(rid, [])
-        sched.deferred_free[standin] = SimpleNamespace(request_id=standin)
-        return standin
 
     def has_pending(self) -> bool:
         with self._cv:

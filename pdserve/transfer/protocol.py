@@ -11,9 +11,11 @@ with the tag an AES-256-GMAC (GCM with no plaintext) over everything between len
 with the nonce direction | sequence number: a replayed, reordered, cut or altered frame fails, and the tag is also
 the checksum of the KV bytes. (GMAC runs at ~22 GB/s here, Poly1305 at ~12 and HMAC-SHA256 at ~1.7: the tag is
 read over every byte on both ends, so its speed is a large part of the transport's.)
-The tag trails the payload so that both ends stream: the payload moves in groups of up to 1 MiB (the first and
+The tag trails the payload so that both ends stream: the payload moves in groups of up to 512 KiB (the first and
 the last short, so each end's tagging overlaps the other end's work all but briefly), each tagged right after it is
-sent or received, straight from or into the KV cache (sendmsg/recvmsg_into over views, no copy). A frame without payload
+sent or received, straight from or into the KV cache (sendmsg/recvmsg_into over views, no copy); the last group is
+tagged before it is sent, so the tag leaves with it. The receiver sleeps until a whole group is in (SO_RCVLOWAT),
+not at each 64 KiB segment: on loopback every wake-up also costs the sender's core. A frame without payload
 (every request, most answers) is tagged in one AES-GCM call and received in one read after its length.
 
 With TLS (kv_tls_cert/kv_tls_key on P, kv_tls_ca on D) the same bytes run inside the TLS stream.
@@ -37,8 +39,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 MAX_FRAME = 1 << 31
 TAG = 16  # GMAC
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into (Linux's limit)
-GROUP = 1 << 20  # bytes moved, then tagged, at a time: the two ends overlap at this grain
-TAIL = 128 << 10  # the last group of a payload: its tagging, on both ends, is all the transfer waits for
+GROUP = 512 << 10  # bytes moved, then tagged, at a time: the two ends overlap at this grain; small enough that
+#                  each end's tag reads the bytes its copy has just brought into cache
+TAIL = 128 << 10  # the first and last group of a payload: what neither end overlaps with the other's work
+UNBUFFERED = 1 << 20  # the most payload a frame may bring without receive buffers (it sizes an allocation)
 SOCK_BUF = 4 << 20  # SO_SNDBUF/SO_RCVBUF: a few groups in flight
 
 
@@ -174,6 +178,10 @@ class Session:
         self.send_seq = self.recv_seq = 0
         self.opened = time.monotonic()
         self._aes, self._aead = algorithms.AES(key), AESGCM(key)  # the same GMAC, streamed or in one call
+        # Plain TCP only: TLS reads records ahead of what its caller asked (the kernel's count would mislead), and
+        # other families need not treat the mark as a wake-up threshold.
+        tcp = not isinstance(sock, ssl.SSLSocket) and sock.family in (socket.AF_INET, socket.AF_INET6)
+        self._lowat = 1 if tcp else None  # the socket's SO_RCVLOWAT (1, the kernel's default, between frames)
 
     @staticmethod
     def _nonce(direction: bytes, seq: int) -> bytes:
@@ -190,26 +198,30 @@ class Session:
             return
         mac = Cipher(self._aes, modes.GCM(nonce)).encryptor()
         mac.authenticate_additional_data(head[8:])
-        pending = [memoryview(head)]
-        for group in _groups(views):  # tagged once sent: the kernel's copy has just brought the bytes into cache
+        groups = _groups(views)  # lazy: the first group leaves before a scattered frame's thousands of views are cut
+        group, pending = next(groups), [memoryview(head)]
+        for following in groups:  # tagged once sent: the kernel's copy has just brought the bytes into cache
             _move(self.sock, pending + group, send=True)
             pending = []
             for v in group:
                 mac.authenticate_additional_data(v)
-        _move(self.sock, [memoryview(_tag(mac))], send=True)
+            group = following
+        for v in group:  # the last (TAIL) group is tagged before it leaves so that the tag leaves with it: the
+            mac.authenticate_additional_data(v)  # frame ends one send, and one wake-up of the receiver, sooner
+        _move(self.sock, pending + group + [memoryview(_tag(mac))], send=True)
 
     def recv(self, into: Optional[list] = None) -> tuple[dict, list]:
         """(header, payload views). With `into` (writable byte views), a payload must fill them exactly or be
-        empty, and is received straight into them; without, it lands in a fresh buffer of at most GROUP bytes. A
-        frame that fails authentication raises, possibly after writing into `into`: its bytes must not be used
+        empty, and is received straight into them; without, it lands in a fresh buffer of at most UNBUFFERED bytes.
+        A frame that fails authentication raises, possibly after writing into `into`: its bytes must not be used
         then."""
         n, hlen = struct.unpack("!QI", _recv_exact(self.sock, 12))
         if n > MAX_FRAME or hlen > min(n - 4 - TAG, 1 << 16):
             raise ProtocolError(f"malformed frame (length {n}, header {hlen})")
         size = n - 4 - hlen - TAG
         if into is None:
-            if size > GROUP:  # the length is not authenticated before the tag: it must not size a big allocation
-                raise ProtocolError(f"payload of {size} bytes, over the {GROUP} allowed without receive buffers")
+            if size > UNBUFFERED:  # the length is not authenticated before the tag: it must not size a big allocation
+                raise ProtocolError(f"payload of {size} bytes, over the {UNBUFFERED} allowed without receive buffers")
             views = [memoryview(bytearray(size))]
         else:
             views = _byte_views(into) if size else []
@@ -231,15 +243,29 @@ class Session:
         groups = list(_groups(views))
         groups[0] = [hbytes] + groups[0]
         groups[-1] = groups[-1] + [tag]
+        after = hlen + size + TAG  # what of the frame follows the current group
         for group in groups:
+            nbytes = sum(v.nbytes for v in group)
+            after -= nbytes
+            # Woken once the group is in, from an empty queue. A wait ends only when the kernel holds the mark's
+            # bytes, whichever groups they belong to, so the mark must never pass what is still to come: at most
+            # what follows this group, plus one (part of the group may be in, and copied, before the wait begins).
+            # Past that the last wait would never end.
+            self._wake_at(min(nbytes, after + 1))
             _move(self.sock, group, send=False)
             for v in group:
                 if v is not tag:
                     mac.authenticate_additional_data(v)
+        self._wake_at(1)
         if not hmac.compare_digest(tag, _tag(mac)):
             raise ProtocolError("frame failed authentication")
         self.recv_seq += 1
         return json.loads(bytes(hbytes)), views
+
+    def _wake_at(self, nbytes: int) -> None:
+        if self._lowat is not None and self._lowat != nbytes:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self._lowat = nbytes
 
     def close(self) -> None:
         try:

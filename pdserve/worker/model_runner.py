@@ -134,7 +134,8 @@ class ModelRunner:
         lens = [min(n_max, budget - i) for i in range(0, budget, n_max)][:seqs]
         prefill = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - n, n) for i, n in enumerate(lens)]
         decode = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - 1, 1) for i in range(seqs)]
-        scored = [Request(f"profile{i}", [0] * n_max, sp) for i in range(seqs * self.uniform_query_len)]
+        # the sampler's memory does not grow with the prompt (penalties touch each row's distinct ids): one token
+        scored = [Request(f"profile{i}", [0], sp) for i in range(seqs * self.uniform_query_len)]
         for rows in (prefill, decode):
             hidden = self.forward(self.buffers.prepare(rows, lambda _: null))
             self.sampler(self.model.compute_logits(hidden[:1].expand(len(scored), -1)), scored)

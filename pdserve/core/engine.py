@@ -52,7 +52,7 @@ class LLMEngine:
         self.num_blocks = 2 if from_memory else self._num_blocks()  # a probe cache, resized once measured
         self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
         if from_memory:
-            self.num_blocks = self._blocks_from_memory()
+            self.num_blocks = self._num_blocks(memory.profile(self.runner))
             self.runner.resize_kv(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.runner.capture_graphs()
@@ -71,26 +71,23 @@ class LLMEngine:
         self._counter = 0
         self._token_texts: dict[int, str] = {}
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
+        """KV blocks, the null block included: the override, else what `profile` leaves under
+        gpu_memory_utilization (CUDA), else kv_cache_memory_gb; capped at max_num_seqs full-length sequences."""
         cc = self.config.cache
         per_seq = cdiv(self.max_model_len, cc.block_size)
+        per_block = kv_bytes_per_block(model_dims(self.hf_config, self.max_model_len), cc.block_size, self.dtype)
+        cap = self.config.scheduler.max_num_seqs * per_seq
         if cc.num_gpu_blocks_override is not None:
             n = cc.num_gpu_blocks_override
+        elif profile is not None:
+            return memory.num_blocks_for(profile, cc.gpu_memory_utilization, per_block, cap, per_seq)
         else:
-            per_block = kv_bytes_per_block(model_dims(self.hf_config, self.max_model_len), cc.block_size, self.dtype)
-            n = min(int(cc.kv_cache_memory_gb * 2**30) // per_block, self.config.scheduler.max_num_seqs * per_seq) + 1
+            n = min(int(cc.kv_cache_memory_gb * 2**30) // per_block, cap) + 1
         if n - 1 < per_seq:
             raise ValueError(f"the KV cache ({n - 1} blocks of {cc.block_size} tokens) cannot hold one max_model_len "
                              f"({self.max_model_len}) sequence; raise kv_cache_memory_gb or lower max_model_len")
         return n
-
-    def _blocks_from_memory(self) -> int:
-        cc = self.config.cache
-        per_seq = cdiv(self.max_model_len, cc.block_size)
-        per_block = kv_bytes_per_block(model_dims(self.hf_config, self.max_model_len), cc.block_size, self.dtype)
-        p = memory.profile(self.runner)
-        return memory.num_blocks_for(p, cc.gpu_memory_utilization, per_block,
-                                     self.config.scheduler.max_num_seqs * per_seq, per_seq)
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)

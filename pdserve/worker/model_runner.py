@@ -54,9 +54,7 @@ class ModelRunner:
         d = self.model.dims
         self.model.attn_backend = make_backend(config.model.attention_backend, device, dtype, self.block_size,
                                                d.head_dim)
-        # Zeroed, so the null block and never-written slots hold finite values (masked keys are still multiplied).
-        self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim, dtype=dtype,
-                                      device=device) for _ in range(d.num_layers)]
+        self.kv_caches = self._new_kv(num_blocks)
         self.model.kv_caches = self.kv_caches
         sched, comp = config.scheduler, config.compilation
         # A drafting step's rows are decode-shaped at q = 1 + K; steps that draft nothing keep q = 1.
@@ -96,7 +94,10 @@ class ModelRunner:
             if self.piecewise is not None:
                 self.piecewise.capture([dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()], pool,
                                        stream, progress)
-            self.graph_stats.captured = bool(self.full_graphs.graphs or self.piecewise and self.piecewise.graphs)
+            self.graph_stats.captured = self._any_graphs()
+
+    def _any_graphs(self) -> bool:
+        return bool(self.full_graphs.graphs or self.piecewise is not None and self.piecewise.graphs)
 
     def capture_stream(self) -> "torch.cuda.Stream":
         """The one side stream every capture runs on: the caching allocator reuses a freed block only on the stream
@@ -107,14 +108,17 @@ class ModelRunner:
 
     def resize_kv(self, num_blocks: int) -> None:
         """A new KV cache of `num_blocks` (before any graph is captured: graphs bake in its addresses)."""
-        assert not (self.full_graphs.graphs or self.piecewise and self.piecewise.graphs), \
-            "KV cache resized under captured graphs"
-        d = self.model.dims
-        self.kv_caches.clear()
+        assert not self._any_graphs(), "KV cache resized under captured graphs"
+        self.kv_caches.clear()  # the model holds this list: it must see the new tensors
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_caches.extend(torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim,
-                                          dtype=self.dtype, device=self.device) for _ in range(d.num_layers))
+        self.kv_caches.extend(self._new_kv(num_blocks))
+
+    def _new_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        d = self.model.dims
+        # Zeroed, so the null block and never-written slots hold finite values (masked keys are still multiplied).
+        return [torch.zeros(2, num_blocks, self.block_size, d.num_kv_heads, d.head_dim, dtype=self.dtype,
+                            device=self.device) for _ in range(d.num_layers)]
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -144,14 +148,14 @@ class ModelRunner:
     def probe_graphs(self) -> list:
         """The largest FULL graph and the largest PIECEWISE size captured into a scratch pool (memory.py);
         returned for the caller to drop."""
-        pool = torch.cuda.graph_pool_handle()
+        pool, stream = torch.cuda.graph_pool_handle(), self.capture_stream()
         full = sorted(self.dispatcher.full_descriptors(), key=lambda dsc: dsc.num_tokens)[-1:]
         pw = [dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()][-1:]
-        self.full_graphs.capture(full, pool, self.capture_stream(), progress=False)
+        self.full_graphs.capture(full, pool, stream, progress=False)
         scratch = [self.full_graphs.graphs]
         self.full_graphs.graphs = {}
         if self.piecewise is not None:
-            self.piecewise.capture(pw, pool, self.capture_stream(), progress=False)
+            self.piecewise.capture(pw, pool, stream, progress=False)
             scratch.append(self.piecewise.graphs)
             self.piecewise.graphs = {}
         return scratch

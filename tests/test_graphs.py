@@ -114,7 +114,7 @@ def test_full_step_has_no_graph_break_and_stable_buffers(qwen3_tiny):
         e.add_prefilled_request(prompt(i, 33), greedy(6), request_id=f"c{i}")
     e.step()
     desc = BatchDescriptor(8, 8, 1)
-    layout = runner.full_graphs.layout_for(desc, [3] * 5)
+    layout = runner.full_graphs.layout_for(desc, [3, 3, 3, 9, 9])
     assert len(layout) > 1  # several width groups: the compiled step covers the grouped path too
     step = runner.full_graphs.step_callable(desc, layout)
     with torch.inference_mode():
@@ -211,3 +211,16 @@ def test_cudagraph_metrics_table_is_logged(qwen3_tiny, caplog):
     s = llm.engine.graph_stats()
     assert s["device"] == "cpu" and s["captured"] is False
     assert s["total_steps"] == s["full_steps"] + s["non_full_steps"] == 3
+
+
+def test_width_groups_merge_equal_widths_and_keep_distinct_ones():
+    """Rows sorted by width form up to 4 groups, each as wide as its widest row; adjacent groups of one width are
+    one group (one gather and one attention call per layer, not four of the same width); padding rows join the
+    last group; no group is wider than the table."""
+    from pdserve.attention.metadata import width_groups
+    assert width_groups([5] * 7, 8) == ((0, 8, 5),)
+    assert width_groups([1, 2, 3, 9]) == ((0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 4, 9))
+    assert width_groups([2, 2, 3, 3, 3, 7], 9) == ((0, 2, 2), (2, 4, 3), (4, 9, 7))
+    assert width_groups([3, 3, 5, 5, 5], round_to=4) == ((0, 2, 4), (2, 5, 8))
+    assert width_groups([1, 1, 30, 40], max_width=32) == ((0, 2, 1), (2, 3, 30), (3, 4, 32))
+    assert width_groups([17]) == ((0, 1, 17),)

@@ -29,7 +29,7 @@ def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int
     """Split rows sorted by context width into up to `max_groups` contiguous groups of near-equal size, each
     attending through its own widest row (rounded up to `round_to` blocks, never past `max_width`, the table's
     width). The K/V gather is most of a CPU decode step, and one width for all rows makes every short row pay for
-    the longest. Rows past len(widths) (padding) join the last group."""
+    the longest. Adjacent groups of one width are one group. Rows past len(widths) (padding) join the last group."""
     n = len(widths)
     k = max(1, min(max_groups, n))
     bounds = [round(i * n / k) for i in range(k + 1)]
@@ -39,6 +39,10 @@ def width_groups(widths: list[int], num_rows: int | None = None, max_groups: int
         if r1 > r0:
             w = max(widths[r0:r1])
             w = -(-w // round_to) * round_to
-            out.append([r0, r1, w if max_width is None else min(w, max_width)])
+            w = w if max_width is None else min(w, max_width)
+            if out and out[-1][2] == w:  # as wide as the group before: one group (one gather, one attention call)
+                out[-1][1] = r1
+            else:
+                out.append([r0, r1, w])
     out[-1][1] = num_rows or n
     return tuple(tuple(g) for g in out)

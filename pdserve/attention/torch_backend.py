@@ -48,7 +48,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     q_heads = q.shape[1]
     group = q_heads // kv_heads
     ctx = width * block_size
-    k, v = kv_cache[:, block_table].view(2, rows, ctx, kv_heads, dim).transpose(2, 3).unbind(0)
+    # index_select copies whole blocks (one contiguous [block_size, kv_heads, dim] slab each): ~2x advanced
+    # indexing's elementwise gather on CPU.
+    k, v = kv_cache.index_select(1, block_table.reshape(-1)).view(2, rows, ctx, kv_heads, dim).transpose(2, 3) \
+        .unbind(0)
     # Query heads sharing a KV head are folded into the query axis, so K/V are never repeated.
     qh = q.view(rows, qlen, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group * qlen, dim)
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
@@ -90,7 +93,7 @@ class TorchBackend:
         being the real rows' context widths in layout order (ascending)."""
         if self.device.type == "cuda":
             return ((0, num_reqs, max_blocks),)
-        return width_groups(row_blocks, num_reqs, round_to=4, max_width=max_blocks)
+        return width_groups(row_blocks, num_reqs, max_width=max_blocks)
 
     def prepare(self, meta: AttentionMetadata, block_size: int, q_per_kv: int, dtype: torch.dtype):
         """Per forward, shared by every layer: the masks."""

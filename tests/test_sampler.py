@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from pdserve.model.sampler import Sampler, filtered_probs, logprobs_of
+import pdserve.model.probs as probs_mod
+from pdserve.model.probs import filtered_probs, inverse_cdf
+from pdserve.model.sampler import Sampler, logprobs_of
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 
@@ -52,20 +55,50 @@ def random_request(rng, i):
     return Request(f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 20))], sp, frozenset({1}))
 
 
-def test_penalties_and_filters_equal_the_reference_over_steps():
+@pytest.mark.parametrize("candidates", [2, 64])  # 2: nearly every filtered row takes the full sort
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_penalties_and_filters_equal_the_reference_over_steps(monkeypatch, candidates, dtype):
+    """Both paths (numpy on CPU, torch on a device) against the row-by-row reference, step after step."""
+    monkeypatch.setattr(probs_mod, "TOP_CANDIDATES", candidates)
     rng, sampler = random.Random(0), Sampler(torch.device("cpu"), 0)
     reqs = [random_request(rng, i) for i in range(24)]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
     for _ in range(6):  # counts are kept across steps: each step only adds what was appended
-        logits = torch.randn(len(reqs), V, dtype=torch.float64) * 3
-        got = sampler._apply_penalties(logits.clone(), reqs, list(range(len(reqs))))
+        logits = torch.randn(len(reqs), V, dtype=dtype) * 3
         want = torch.stack([ref_penalties(logits[i], r) for i, r in enumerate(reqs)])
-        assert torch.allclose(got, want)
+        got = sampler._apply_penalties(logits.clone(), reqs, list(range(len(reqs))))
+        strided = logits.t().contiguous().t()  # a non-contiguous tensor takes the torch path
+        got_torch = sampler._apply_penalties(strided, reqs, list(range(len(reqs))))
+        assert torch.allclose(got, want, **tol) and torch.equal(got, got_torch)
         rand = [r for r in reqs if r.sampling_params.temperature > 0]
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.temperature > 0]
-        probs = filtered_probs(got[rows].clone(), rand)
-        assert torch.allclose(probs, torch.stack([ref_probs(got[i], r.sampling_params) for i, r in zip(rows, rand)]))
+        want = torch.stack([ref_probs(got[i], r.sampling_params) for i, r in zip(rows, rand)])
+        for device_path in (False, True):
+            p = filtered_probs(got[rows].clone(), rand, device_path=device_path)  # each row up to its own factor
+            assert torch.allclose(p / p.sum(-1, keepdim=True), want / want.sum(-1, keepdim=True), **tol)
         for r in reqs:
             r.append_output_token(rng.randrange(V))
+
+
+def test_host_and_device_paths_agree_on_a_real_vocabulary():
+    """numpy (CPU) and torch (device) filters keep the same tokens and the inverse CDF draws the same ones, for
+    peaked rows (the threshold among the top candidates), flat rows and top-k past the candidates (the full sort),
+    top-k alone, top-p alone, both, with min-p; and a subset of rows filtered as in the whole batch."""
+    g = torch.Generator().manual_seed(5)
+    vocab, n = 1000, 48
+    logits = torch.randn(n, vocab, generator=g) * torch.tensor([0.3, 1.0, 6.0]).repeat(n // 3)[:, None]
+    mk = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, max_tokens=5)
+          for t, k, p, m in [(0.7, 0, 0.9, 0.0), (1.0, 100, 1.0, 0.0), (1.3, 20, 0.5, 0.0), (0.9, 0, 1.0, 0.05)]]
+    reqs = [Request(f"r{i}", [1], mk[i % 4]) for i in range(n)]
+    host = filtered_probs(logits.clone(), reqs)
+    dev = filtered_probs(logits.clone(), reqs, device_path=True)
+    assert torch.equal(host > 0, dev > 0)
+    assert torch.allclose(host / host.sum(-1, keepdim=True), dev / dev.sum(-1, keepdim=True), atol=1e-6)
+    for _ in range(20):
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        assert torch.equal(inverse_cdf(host, u), inverse_cdf(host, u, device_path=True))
+    rows = [1, 4, 7]
+    assert torch.equal(filtered_probs(logits[rows].clone(), [reqs[i] for i in rows]) > 0, host[rows] > 0)
 
 
 def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_raw():
@@ -128,11 +161,15 @@ def test_rows_without_a_finite_logit_do_not_fail_the_batch():
     assert tokens[2] in logits[2].topk(5).indices.tolist()
 
 
-def test_inverse_cdf_draws_follow_the_distribution():
+@pytest.mark.parametrize("device_path", [False, True])
+def test_inverse_cdf_draws_follow_the_distribution(device_path):
     """One uniform per row through the two-level inverse CDF: frequencies match the probabilities (chi-square over
     100,000 fixed-seed draws, no flake), zero-probability tokens are never taken, a vocabulary that is no multiple
     of the chunk and the ends of [0, 1) land on tokens with mass, a row with no mass takes its argmax."""
-    from pdserve.model.sampler import CDF_CHUNK, inverse_cdf
+    from pdserve.model.probs import CDF_CHUNK
+
+    def inverse_cdf(p, u):
+        return probs_mod.inverse_cdf(p, u, device_path=device_path)
     g = torch.Generator().manual_seed(0)
     vocab = 3 * CDF_CHUNK + 5
     probs = torch.rand(vocab, generator=g) ** 4
@@ -157,10 +194,9 @@ def test_inverse_cdf_draws_follow_the_distribution():
     assert 0 <= int(inverse_cdf(nan, torch.tensor([0.5], dtype=torch.float64))[0]) < vocab
 
 
-def test_cpu_fast_paths_match_torch():
-    """The numpy paths (argmax, sort, the cut) give torch's results: first of ties, NaN as the largest, -inf rows,
-    non-contiguous input."""
-    from pdserve.model.sampler import _cut_below_, _sort_asc, argmax
+def test_host_argmax_matches_torch():
+    """numpy's argmax gives torch's: first of ties, NaN as the largest, -inf rows, non-contiguous input."""
+    from pdserve.model.probs import argmax
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.float64):
         x = torch.randint(0, 4, (9, V), generator=g).to(dtype)  # many ties
@@ -169,10 +205,3 @@ def test_cpu_fast_paths_match_torch():
         x[4, ::2] = float("-inf")
         assert torch.equal(argmax(x), x.argmax(-1))
         assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(-1))
-        y = torch.randn(9, V, generator=g, dtype=dtype)
-        assert torch.equal(_sort_asc(y), y.sort(-1).values)
-        thr = y[:, 5:6].clone()
-        want = y.masked_fill(y < thr, torch.finfo(dtype).min)
-        assert torch.equal(_cut_below_(y.clone(), thr), want)
-        t = y.t().contiguous().t()  # a non-contiguous tensor takes torch's path
-        assert not t.is_contiguous() and torch.equal(_cut_below_(t, thr), want)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.model.sampler import GREEDY_EPS, Sampler, filtered_probs, inverse_cdf
+from pdserve.model.probs import filtered_probs, inverse_cdf
+from pdserve.model.sampler import GREEDY_EPS, Sampler
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.spec_decode import (MAX_SPECULATIVE_TOKENS, PLACEHOLDER_TOKEN_ID as PH, NgramProposer, RowDraws,
@@ -292,6 +293,7 @@ def first_two(sample, n=20000, k=2):
            spec_generate(lm, reqs, 2, k, drafts, torch.Generator().manual_seed(4), sample)[0])
     p0 = filtered_probs(lm([prompt]), reqs[:1])[0]
     p1 = filtered_probs(lm([prompt + [t] for t in range(16)]), reqs[:16])
+    p0, p1 = p0 / p0.sum(), p1 / p1.sum(-1, keepdim=True)  # each row comes up to its own factor
     return Counter(tuple(o) for o in out), {(a, b): n * float(p0[a] * p1[a, b]) for a in range(16)
                                             for b in range(16) if p0[a] * p1[a, b] > 0}
 

@@ -13,7 +13,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.core.scheduler import Scheduler
-from pdserve.detokenizer import IncrementalDetokenizer
+from pdserve.detokenizer import IncrementalDetokenizer, backend_decoder
 from pdserve.model.loader import model_dims, read_hf_config, resolve_dtype
 from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
@@ -70,6 +70,9 @@ class LLMEngine:
         self.vocab_size = self.hf_config["vocab_size"]
         self._counter = 0
         self._token_texts: dict[int, str] = {}
+        fast = backend_decoder(self.tokenizer)  # the Rust decode where transformers' wrapper would only wrap it
+        self._decode_one = (lambda t: fast([t], skip_special_tokens=False)) if fast else \
+            (lambda t: self.tokenizer.decode([t]))
 
     def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
         """KV blocks, the null block included: the override, else what `profile` leaves under
@@ -351,7 +354,7 @@ class LLMEngine:
                 for tok, lp in entry.items():
                     text = texts.get(tok)
                     if text is None:
-                        text = texts[tok] = self.tokenizer.decode([tok])
+                        text = texts[tok] = self._decode_one(tok)
                     lp.decoded_token = text
         metrics = req.metrics
         if finished:

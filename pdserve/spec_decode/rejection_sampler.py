@@ -32,7 +32,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from pdserve.model.sampler import GREEDY_EPS, inverse_cdf
+from pdserve.model.probs import inverse_cdf
+from pdserve.model.sampler import GREEDY_EPS
 from pdserve.request import Request
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's name: a scheduled draft slot with no real draft (never a token id)

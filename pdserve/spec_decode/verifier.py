@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from pdserve.model.sampler import GREEDY_EPS, Sampler, filtered_probs, logprobs_of, penalised
+from pdserve.model.probs import filtered_probs
+from pdserve.model.sampler import GREEDY_EPS, Sampler, logprobs_of, penalised
 from pdserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RowDraws, rejection_sample
 
 

@@ -9,8 +9,9 @@ every op's self time is put in a class: `gemm` (the linear layers and the LM hea
 (activation, residual adds, copies, indexing). The GEMMs' achieved GFLOP/s (2 x weights x rows per step) is set
 against the same machine's GEMM rate on the same shapes measured in this script (the model's own widest projection, the LM head, called alone at the
 same rows), so `gemm_share` x the step is the part
-no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can.
-Run it on a quiet machine.
+no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can. Then the
+floors (`floors`): the machine's read bandwidth, the decode step it allows, and the model's Linears alone at decode
+and prefill sizes. Run it on a quiet machine.
 """
 from __future__ import annotations
 
@@ -110,6 +111,43 @@ def profile_rows(model: str, rows: int, steps: int) -> dict:
             "gemm_gflops_ceiling": gemm_rate(eng.runner.model, rows), "torch_threads": torch.get_num_threads()}
 
 
+def floors(model: str) -> dict:
+    """What the hardware allows the same forward: this machine's read bandwidth over a buffer the size of the
+    weights (none of it in cache), the decode floor it sets (every weight read once per step), and every Linear of
+    the model called in model order at 1, 4, 8 and 128 rows (weights streamed from memory, as in a step, with
+    nothing else between the calls): the GEMM time of a decode step and of a 128-token prefill chunk."""
+    import torch
+
+    from pdserve import LLM
+    from pdserve.model.layers import Linear
+    llm = LLM(model, max_model_len=256, max_num_seqs=1, num_gpu_blocks_override=8)
+    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in lins)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        buf.sum()
+    read = nbytes * 5 / (time.perf_counter() - t) / 1e9
+    del buf
+    out = {"weight_bytes": nbytes, "read_gb_s": read, "decode_floor_ms": nbytes / read / 1e6, "linears": []}
+    with torch.inference_mode():
+        for rows in (1, 4, 8, 128):
+            xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in lins}
+            for m in lins:
+                m(xs[m.weight.shape[1]])
+            reps = 3 if rows == 128 else 10
+            t = time.perf_counter()
+            for _ in range(reps):
+                for m in lins:
+                    m(xs[m.weight.shape[1]])
+            ms = (time.perf_counter() - t) / reps * 1e3
+            flops = 2 * rows * sum(m.weight.numel() for m in lins)
+            out["linears"].append({"rows": rows, "ms": ms, "gflops": flops / ms / 1e6,
+                                   "gb_s": nbytes / ms / 1e6})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,7 +167,12 @@ def main() -> None:
               + ", ".join(f"{k} {v:.0%}" for k, v in r["op_share"].items())
               + f"; GEMM {r['gemm_gflops_in_step']:.0f} GFLOP/s in the step vs {r['gemm_gflops_ceiling']:.0f} "
                 "standalone", flush=True)
-    Path(args.out).write_text(json.dumps({"model": model, "results": results}, indent=1))
+    fl = floors(model)
+    print(f"floors: read {fl['read_gb_s']:.1f} GB/s, so reading the {fl['weight_bytes'] / 1e6:.0f} MB of weights "
+          f"takes {fl['decode_floor_ms']:.2f} ms; the model's Linears alone: "
+          + ", ".join(f"{x['rows']} rows {x['ms']:.2f} ms ({x['gb_s']:.0f} GB/s, {x['gflops']:.0f} GFLOP/s)"
+                      for x in fl["linears"]), flush=True)
+    Path(args.out).write_text(json.dumps({"model": model, "results": results, "floors": fl}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -14,6 +14,7 @@ from pdserve.model.loader import load_model
 from pdserve.model.transformer import CausalLM
 from pdserve.model.sampler import Sampler
 from pdserve.spec_decode.verifier import SpecDecodeStats, verify
+from pdserve.worker.host_memory import keep_freed_host_memory
 from pdserve.worker.cudagraph import FullGraphRunner
 from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher, classify
 from pdserve.worker.graph_metrics import GraphStats
@@ -48,6 +49,8 @@ class ModelRunner:
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        if device.type == "cpu":
+            keep_freed_host_memory()  # page faults on fresh intermediates were a quarter of a CPU prefill chunk
         self.model = load_model(config.model.model, dtype, device, max_positions=max_model_len)
         if device.type == "cpu":
             self.model.pack_for_cpu()

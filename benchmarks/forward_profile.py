@@ -120,7 +120,7 @@ def floors(model: str) -> dict:
 
     from pdserve import LLM
     from pdserve.model.layers import Linear
-    llm = LLM(model, max_model_len=256, max_num_seqs=1, num_gpu_blocks_override=8)
+    llm = LLM(model, max_model_len=128, max_num_seqs=1, num_gpu_blocks_override=10)
     lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in lins)
     buf = torch.ones(nbytes // 4, dtype=torch.float32)

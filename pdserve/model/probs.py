@@ -162,10 +162,10 @@ def _filtered_torch(logits: torch.Tensor, inv_t, rows, ks, tps, min_p) -> torch.
     e = (logits - logits.amax(-1, keepdim=True)).mul_(t).exp_()
     if rows:
         every = len(rows) == len(inv_t)
-        sub = e if every else _rows(e, rows)
+        sub = e if every else select_rows(e, rows)
         threshold, rest = _top_thresholds_torch(sub, ks, tps)
         if rest:
-            threshold[rest] = _sorted_thresholds_torch(_rows(sub, rest), [ks[i] for i in rest],
+            threshold[rest] = _sorted_thresholds_torch(select_rows(sub, rest), [ks[i] for i in rest],
                                                        [tps[i] for i in rest])
         sub.mul_(sub >= threshold)
         if not every:
@@ -227,6 +227,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] by index_select (a list index took ~4x as long on CPU)."""
     return x.index_select(0, torch.tensor(rows, device=x.device))

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pdserve.model.probs import _rows, argmax, filtered_probs, inverse_cdf
+from pdserve.model.probs import argmax, filtered_probs, inverse_cdf, select_rows
 from pdserve.request import Request
 
 GREEDY_EPS = 1e-5
@@ -118,24 +118,25 @@ class Sampler:
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             if plain:
-                tokens[plain] = argmax(_rows(logits, plain))
+                tokens[plain] = argmax(select_rows(logits, plain))
         if work:
-            sub = logits.clone() if len(work) == n else _rows(logits, work)
+            sub = logits.clone() if len(work) == n else select_rows(logits, work)
             local = [j for j, i in enumerate(work) if i in penal]
             if local:
                 sub = self._apply_penalties(sub, [reqs[row_of[work[j]]] for j in local], local)
             greedy = [j for j, i in enumerate(work) if i not in rand]
             if greedy:
-                tokens[[work[j] for j in greedy]] = argmax(_rows(sub, greedy))
+                tokens[[work[j] for j in greedy]] = argmax(select_rows(sub, greedy))
             sampled = [j for j, i in enumerate(work) if i in rand]
             if sampled:
                 tokens[[work[j] for j in sampled]] = self._sample(
-                    sub if len(sampled) == len(work) else _rows(sub, sampled), [reqs[row_of[work[j]]] for j in sampled])
+                    sub if len(sampled) == len(work) else select_rows(sub, sampled),
+                    [reqs[row_of[work[j]]] for j in sampled])
         token_list = tokens.tolist()
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         logprobs: list[Optional[dict]] = [None] * len(token_list)
         if want:
-            for i, lp in zip(want, logprobs_of(_rows(logits, want), [token_list[i] for i in want],
+            for i, lp in zip(want, logprobs_of(select_rows(logits, want), [token_list[i] for i in want],
                                              [params[i].logprobs for i in want])):
                 logprobs[i] = lp
         return token_list, logprobs

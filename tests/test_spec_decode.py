@@ -264,3 +264,52 @@ def test_drafts_that_do_not_fit_are_dropped_not_the_row(qwen3_tiny):
     assert tokens(llm.generate(prompts, sp, use_tqdm=False)) == ref
     assert llm.engine.scheduler.num_preemptions <= plain.engine.scheduler.num_preemptions
     whole(llm)
+
+
+def scripted(llm, script: list[int]):
+    """Replace the model by a script: each step's rows get the script's next tokens in order (a drafting row as
+    many as it has drafts + 1), so a plain and a drafting engine emit the same tokens in different steps.
+    Returns the list of each step's draft counts."""
+    from pdserve.worker.model_runner import StepResult
+    todo, drafts = list(script), []
+
+    def execute(rows, block_table):
+        sampled = []
+        drafts.append([len(r.draft_token_ids) for r in rows])
+        for r in rows:
+            if not r.samples:
+                sampled.append(None)
+            elif r.draft_token_ids:
+                n = len(r.draft_token_ids) + 1
+                sampled.append(todo[:n])
+                del todo[:n]
+            else:
+                sampled.append(todo.pop(0))
+        return StepResult(sampled, [None] * len(rows))
+    llm.engine.runner.execute = execute
+    return drafts
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_found_by_the_final_flush_keeps_the_stop_token(qwen3_tiny, include):
+    """A stop string matched only when an incomplete UTF-8 tail is flushed, in the step whose token (a stop token
+    id) ends the request: a drafting row emitting the tail byte and that token together keeps both, as plain
+    decoding does over two steps; and a stop string completed mid-draft still drops the tokens after it."""
+    tok = LLM(qwen3_tiny).get_tokenizer()
+    a, b, stop_id = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "z"))
+    byte = tok.convert_tokens_to_ids("Ã")  # 0xC3: a UTF-8 lead byte, incomplete alone
+    prompt = [a, b] * 6 + [a]  # the n-gram proposer drafts from the second step on
+    cases = [([b, byte, stop_id], "\ufffd"), ([b, a, b, stop_id], "ba")]
+    for script, stop in cases:
+        sp = SamplingParams(max_tokens=10, stop=[stop], stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        got = []
+        for cfg in ({}, {"speculative_config": spec(3)}):
+            llm = LLM(qwen3_tiny, **cfg)
+            drafts = scripted(llm, script + [a] * 8)
+            o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+            got.append((o.token_ids, o.text, o.finish_reason, o.stop_reason))
+            whole(llm)
+        assert drafts == [[0], [3]]  # the drafting engine emitted all but the first token in one step
+        assert got[0] == got[1], (script, stop, got)
+    # plain decoding, for the record: the flushed tail keeps the stop token, the mid-output string drops it
+    assert got[0][0] == [b, a] and got[0][3] == "ba"

@@ -312,10 +312,16 @@ class LLMEngine:
             keep = not by_token or req.sampling_params.include_stop_str_in_output
             detok = req.detok
             fed = detok.num_consumed
-            stop = detok.update(new if keep else new[:-1], final=req.is_finished)
+            # Fed as plain decoding feeds them, one step each: a stopping token whose text is left out ends its
+            # step with nothing new, and only then is an incomplete tail flushed (and searched).
+            stop = detok.update(new if keep else new[:-1], final=req.is_finished and keep)
+            flushed = False
+            if stop is None and not keep:
+                stop = detok.update((), final=True)
+                flushed = stop is not None
             if stop is not None:
                 consumed = detok.num_consumed - fed
-                if consumed < k and k > 1:  # a drafting row's tokens past the stop string: never emitted
+                if not flushed and consumed < k:  # a drafting row's tokens past the stop string: never sampled
                     new = self._drop_after_stop(req, k - consumed)
                 req.stop_reason = stop
                 if req.is_finished:

@@ -9,7 +9,8 @@ every op's self time is put in a class: `gemm` (the linear layers and the LM hea
 (activation, residual adds, copies, indexing). The GEMMs' achieved GFLOP/s (2 x weights x rows per step) is set
 against the same machine's GEMM rate on the same shapes measured in this script (the model's own widest projection, the LM head, called alone at the
 same rows), so `gemm_share` x the step is the part
-no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can. Then the
+no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can. Then a
+128-token prefill step, timed and profiled the same way (`profile_prefill`), and the
 floors (`floors`): the machine's read bandwidth, the decode step it allows, and the model's Linears alone at decode
 and prefill sizes. Run it on a quiet machine.
 """
@@ -90,11 +91,8 @@ def profile_rows(model: str, rows: int, steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             eng.step()
-    by_class, calls = defaultdict(float), 0
-    for e in prof.key_averages():
-        if e.key.startswith(("aten::", "mkldnn::")):
-            by_class[classify(e.key)] += e.self_cpu_time_total / steps / 1e3
-            calls += e.count
+    by_class = _by_class(prof, steps)
+    calls = sum(e.count for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::")))
     c = eng.hf_config
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     h, q, kv = c["hidden_size"], c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -109,6 +107,47 @@ def profile_rows(model: str, rows: int, steps: int) -> dict:
             "op_calls_per_step": calls // steps, "matmul_weights": weights,
             "gemm_gflops_in_step": flops / (gemm_ms / 1e3) / 1e9 if gemm_ms else None,
             "gemm_gflops_ceiling": gemm_rate(eng.runner.model, rows), "torch_threads": torch.get_num_threads()}
+
+
+def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
+    """A prompt of `tokens` tokens prefilled alone, one step each (the step that sets TTFT and, with decodes riding
+    on it, the p99 ITL of vs_vllm.py's small workload), timed, then profiled by op class as the decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve import LLM, SamplingParams
+    llm = LLM(model, max_model_len=512, max_num_seqs=1)
+    eng = llm.engine
+    seen = [0]
+
+    def step() -> None:
+        seen[0] += 1  # another prompt each time: no prefix-cache hit
+        eng.add_request([3 + (seen[0] * 131 + j * 7) % 8000 for j in range(tokens)],
+                        SamplingParams(temperature=0, max_tokens=1))
+        while eng.scheduler.waiting or eng.scheduler.running:
+            eng.step()
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            step()
+    by_class = _by_class(prof, reps)
+    total = sum(by_class.values())
+    return {"tokens": tokens, "step_ms": statistics.median(times) * 1e3,
+            "op_ms": {k: round(v, 3) for k, v in sorted(by_class.items())},
+            "op_share": {k: round(v / total, 3) for k, v in sorted(by_class.items())}}
+
+
+def _by_class(prof, steps: int) -> dict:
+    by_class = defaultdict(float)
+    for e in prof.key_averages():
+        if e.key.startswith(("aten::", "mkldnn::")):
+            by_class[classify(e.key)] += e.self_cpu_time_total / steps / 1e3
+    return by_class
 
 
 def floors(model: str) -> dict:
@@ -167,12 +206,15 @@ def main() -> None:
               + ", ".join(f"{k} {v:.0%}" for k, v in r["op_share"].items())
               + f"; GEMM {r['gemm_gflops_in_step']:.0f} GFLOP/s in the step vs {r['gemm_gflops_ceiling']:.0f} "
                 "standalone", flush=True)
+    pre = profile_prefill(model)
+    print(f"prefill of {pre['tokens']} tokens: step {pre['step_ms']:.2f} ms; op share "
+          + ", ".join(f"{k} {v:.0%}" for k, v in pre["op_share"].items()), flush=True)
     fl = floors(model)
     print(f"floors: read {fl['read_gb_s']:.1f} GB/s, so reading the {fl['weight_bytes'] / 1e6:.0f} MB of weights "
           f"takes {fl['decode_floor_ms']:.2f} ms; the model's Linears alone: "
           + ", ".join(f"{x['rows']} rows {x['ms']:.2f} ms ({x['gb_s']:.0f} GB/s, {x['gflops']:.0f} GFLOP/s)"
                       for x in fl["linears"]), flush=True)
-    Path(args.out).write_text(json.dumps({"model": model, "results": results, "floors": fl}, indent=1))
+    Path(args.out).write_text(json.dumps({"model": model, "results": results, "prefill": pre, "floors": fl}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -86,8 +86,9 @@ def stop(proc: subprocess.Popen) -> None:
 def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int,
                backend: str = "thread") -> list[str]:
     common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench-model", "--dtype", "float32",
-              "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--block-size", str(block),
-              "--enable-prefix-caching"]
+              "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching"]
+    if block:
+        common += ["--block-size", str(block)]
     if engine == "vllm":
         return [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common]
     return [sys.executable, "-m", "pdserve.cli", "serve", model, *common, "--engine-backend", backend]
@@ -114,12 +115,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server")
     ap.add_argument("--max-model-len", type=int, default=512, help="context length of both servers")
     ap.add_argument("--block-size", type=int, default=32, help="KV block size of both servers (vLLM's CPU "
-                    "attention takes multiples of 32 only)")
+                    "attention takes multiples of 32 only; 0: each server's default)")
+    ap.add_argument("--vllm-bind", choices=("cores", "default"), default="cores", help="cores: pin vLLM's OpenMP "
+                    "threads to this process's first --threads cores (VLLM_CPU_OMP_THREADS_BIND); default: leave "
+                    "vLLM's own choice (on this 2-core VM it reserves one core: the setting of CPU-NOTES.md's "
+                    "first measurement)")
     ap.add_argument("--backends", default="thread", help="comma-separated pdserve --engine-backend values to run: "
                     "thread (the engine loop beside the HTTP event loop, one process) and/or process (its own "
                     "process, outputs over a pipe)")
     ap.add_argument("--skip-vllm", action="store_true", help="pdserve only (the ratio columns then compare the "
                     "first backend with the others)")
+    ap.add_argument("--skip-pdserve", action="store_true", help="vLLM only (to compare vLLM settings across runs)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_vllm.json"), help="JSON result path")
     args = ap.parse_args()
     if args.install:
@@ -130,15 +136,16 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from pdserve.model.make_model import ensure_model
     env = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1",
-           # vLLM pins its OpenMP threads; to the cores this process may use (its default may pick others)
-           "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))}
+           "TRANSFORMERS_OFFLINE": "1"}
+    if args.vllm_bind == "cores":  # vLLM pins its OpenMP threads; to the cores this process may use
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
     tmp = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     results = []
     for size in args.models.split(","):
         model = str(ensure_model("qwen3", size, 0))
         isl, osl, rate, seqs = WORKLOADS[size]
-        arms = ([] if args.skip_vllm else ["vllm"]) + [f"pdserve-{b}" for b in args.backends.split(",")]
+        arms = ([] if args.skip_vllm else ["vllm"]) + \
+            ([] if args.skip_pdserve else [f"pdserve-{b}" for b in args.backends.split(",")])
         for engine in arms:
             port = 8400 + len(results)
             t0 = time.monotonic()
@@ -156,7 +163,10 @@ def main() -> None:
             results.append({"model": size, "engine": engine, "isl": isl, "osl": osl, "rate": rate,
                             "num_prompts": args.num_prompts, "median": med, "runs": runs})
             print(f"{size}: {engine} " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
-    Path(args.out).write_text(json.dumps({"vllm": VLLM, "threads": args.threads, "results": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"vllm": VLLM, "threads": args.threads, "block_size": args.block_size,
+                                          "vllm_bind": args.vllm_bind, "results": results}, indent=1))
+    if len(arms) < 2:
+        return
     base = arms[0]
     others = arms[1:]
     print(f"\n| model, workload | metric | {base} | " + " | ".join(others) + " | "

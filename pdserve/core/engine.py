@@ -1,4 +1,4 @@
-"""LLMEngine: tokenization, validation, the schedule -> run -> update step, and detokenized outputs."""
+"""LLMEngine: tokenization, validation, and the schedule -> run -> update step (outputs: output_processor.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +12,13 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.scheduler import Scheduler
-from pdserve.detokenizer import IncrementalDetokenizer, backend_decoder
+from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.model.loader import model_dims, read_hf_config, resolve_dtype
-from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
-from pdserve.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import make_connector
 from pdserve.transfer.proof import NOT_VERIFIED, PROBE_LABEL, prompt_hash, sign_params, verified_params
 from pdserve.worker import memory
@@ -69,10 +70,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
         self._counter = 0
-        self._token_texts: dict[int, str] = {}
-        fast = backend_decoder(self.tokenizer)  # the Rust decode where transformers' wrapper would only wrap it
-        self._decode_one = (lambda t: fast([t], skip_special_tokens=False)) if fast else \
-            (lambda t: self.tokenizer.decode([t]))
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
 
     def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
         """KV blocks, the null block included: the override, else what `profile` leaves under
@@ -187,14 +185,14 @@ class LLMEngine:
         hits, num_hit = self.kv.get_computed_blocks(req)
         # the replay's slot (and its drafts' lookahead slots) too, as a remote load
         if not self.kv.allocate_slots(req, n - num_hit + self.scheduler.num_lookahead(req), hits):
-            self._make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
+            self.output_processor.make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
                                                             "no free KV blocks"), [])  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
         try:
             self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
         except Exception as e:  # nothing of it may stay behind: not its blocks, not its per-request state
-            self._make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
+            self.output_processor.make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
                                                             f"prefill for the import failed: {e}"), [])
             raise
         req.num_computed_tokens = n - 1
@@ -246,7 +244,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return self._make_output(req, []) if req is not None else None
+        return self.output_processor.make_output(req, []) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or transfers (loads, leases) that still need the engine to poll."""
@@ -261,7 +259,7 @@ class LLMEngine:
             if (req := self.scheduler.requests.get(rid)) is not None:
                 req.metrics.kv_load_end_time = now
         failed = self.scheduler.process_transfers(fin)
-        return [self._make_output(r, []) for r in failed if r is not None]
+        return [self.output_processor.make_output(r, []) for r in failed if r is not None]
 
     def step(self) -> list[RequestOutput]:
         transfer_outputs = self._poll_transfers()
@@ -286,90 +284,11 @@ class LLMEngine:
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
             return transfer_outputs + [
-                self._make_output(self.scheduler.finish_request(r.request.request_id, RequestStatus.FINISHED_ERROR,
+                self.output_processor.make_output(self.scheduler.finish_request(r.request.request_id, RequestStatus.FINISHED_ERROR,
                                                                 f"model step failed: {e}"), []) for r in out.rows]
         updated = self.scheduler.update_from_output(out, result.sampled)
         lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
-        now = time.monotonic()
-        outputs = []
-        for req in updated:
-            rid = req.request_id
-            m = req.metrics
-            m.first_token_time = m.first_token_time or now
-            m.last_token_time = now
-            k = req.num_new_tokens
-            if rid in lp_by_req:
-                lp = lp_by_req[rid]
-                if isinstance(lp, list):  # a drafting row: one entry per emitted token, cut where it stopped
-                    req.logprobs.extend(lp[:k])
-                else:
-                    req.logprobs.append(lp)
-            new = req.output_token_ids[-k:]
-            # As vLLM, the text of a token that stopped the request (EOS, a stop token id) is left out unless
-            # include_stop_str_in_output; a stop string completed by the text that is kept wins over the stop the
-            # scheduler saw in the same token (the length cap): the text was cut at the string.
-            by_token = req.status == RequestStatus.FINISHED_STOPPED
-            keep = not by_token or req.sampling_params.include_stop_str_in_output
-            detok = req.detok
-            fed = detok.num_consumed
-            # Fed as plain decoding feeds them, one step each: a stopping token whose text is left out ends its
-            # step with nothing new, and only then is an incomplete tail flushed (and searched).
-            stop = detok.update(new if keep else new[:-1], final=req.is_finished and keep)
-            flushed = False
-            if stop is None and not keep:
-                stop = detok.update((), final=True)
-                flushed = stop is not None
-            if stop is not None:
-                consumed = detok.num_consumed - fed
-                if not flushed and consumed < k:  # a drafting row's tokens past the stop string: never sampled
-                    new = self._drop_after_stop(req, k - consumed)
-                req.stop_reason = stop
-                if req.is_finished:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            if req.is_finished or req.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(req, new))
-        return transfer_outputs + outputs
-
-    @staticmethod
-    def _drop_after_stop(req: Request, n: int) -> list[int]:
-        """Remove the request's last `n` tokens (a drafting row's tokens after a stop string): not in its output,
-        logprobs or usage. It is finishing, so its KV state no longer matters. Returns this step's kept tokens."""
-        del req.output_token_ids[-n:], req.all_token_ids[-n:]
-        if req.logprobs and len(req.logprobs) > req.num_output_tokens:
-            del req.logprobs[req.num_output_tokens:]
-        req.num_new_tokens -= n
-        return req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens:]
-
-    def _make_output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        """The request's output after a step, as its `output_kind` asks: DELTA carries only this step's text, tokens
-        and logprobs (per-step work proportional to them), CUMULATIVE and FINAL_ONLY everything so far."""
-        rid = req.request_id
-        finished = req.is_finished
-        detok = req.detok
-        delta = detok.get_delta(finished)
-        kind = req.sampling_params.output_kind
-        cumulative = kind != RequestOutputKind.DELTA
-        logprobs = None
-        if req.sampling_params.logprobs is not None:
-            logprobs = req.logprobs if cumulative else req.logprobs[len(req.logprobs) - len(new_ids):]
-            fresh = logprobs if kind == RequestOutputKind.FINAL_ONLY else logprobs[len(logprobs) - len(new_ids):]
-            texts = self._token_texts  # one token's text never changes: decoded once per id
-            for entry in fresh:
-                for tok, lp in entry.items():
-                    text = texts.get(tok)
-                    if text is None:
-                        text = texts[tok] = self._decode_one(tok)
-                    lp.decoded_token = text
-        metrics = req.metrics
-        if finished:
-            metrics.finished_time = time.monotonic()
-        comp = CompletionOutput(0, detok.released_text if cumulative else delta,
-                                list(req.output_token_ids) if cumulative else new_ids, None, logprobs,
-                                req.status.finish_reason, req.stop_reason, delta, new_ids)
-        return RequestOutput(rid, req.prompt_text, req.prompt_token_ids, [comp], finished,
-                             max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out)
+        return transfer_outputs + self.output_processor.process(updated, lp_by_req)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

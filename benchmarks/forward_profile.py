@@ -10,7 +10,8 @@ every op's self time is put in a class: `gemm` (the linear layers and the LM hea
 against the same machine's GEMM rate on the same shapes measured in this script (the model's own widest projection, the LM head, called alone at the
 same rows), so `gemm_share` x the step is the part
 no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can. Then a
-128-token prefill step, timed and profiled the same way (`profile_prefill`), and the
+128-token prefill step, timed and profiled the same way (`profile_prefill`), each projection timed inside
+batch-1 decode steps and alone (`linears_in_step`), and the
 floors (`floors`): the machine's read bandwidth, the decode step it allows, and the model's Linears alone at decode
 and prefill sizes. Run it on a quiet machine.
 """
@@ -125,21 +126,74 @@ def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
                         SamplingParams(temperature=0, max_tokens=1))
         while eng.scheduler.waiting or eng.scheduler.running:
             eng.step()
+    import torch
+
+    from pdserve.model.layers import Linear
+    lins = [m for m in eng.runner.model.modules() if isinstance(m, Linear)]
+    xs = {m.weight.shape[1]: torch.randn(tokens, m.weight.shape[1]) for m in lins}
+
+    def linears() -> None:  # the step's GEMMs alone (the LM head at every row: an upper bound)
+        with torch.inference_mode():
+            for m in lins:
+                m(xs[m.weight.shape[1]])
     for _ in range(3):
         step()
-    times = []
-    for _ in range(reps):
+    times, alone = [], []
+    for _ in range(reps):  # interleaved with the Linears alone: this VM's speed drifts within minutes
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        linears()
+        alone.append(time.perf_counter() - t)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
             step()
     by_class = _by_class(prof, reps)
     total = sum(by_class.values())
     return {"tokens": tokens, "step_ms": statistics.median(times) * 1e3,
+            "linears_alone_ms": statistics.median(alone) * 1e3,
             "op_ms": {k: round(v, 3) for k, v in sorted(by_class.items())},
             "op_share": {k: round(v / total, 3) for k, v in sorted(by_class.items())}}
+
+
+def linears_in_step(model: str, steps: int = 60) -> dict:
+    """Each projection's median time inside batch-1 decode steps and called alone back to back (same module, same
+    input width, the same minute): whether the GEMMs run slower between the step's other ops than alone."""
+    import torch
+
+    from pdserve import LLM, SamplingParams
+    from pdserve.model.layers import Linear
+    llm = LLM(model, max_model_len=512, max_num_seqs=1)
+    eng = llm.engine
+    eng.add_request([5] * 128, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    mods = [(n.split(".")[-1], m) for n, m in eng.runner.model.named_modules() if isinstance(m, Linear)]
+    spent = {"step": defaultdict(list), "alone": defaultdict(list)}
+    where = ["step"]
+    for kind, m in mods:
+        def timed(x, _f=m.forward, _k=kind):
+            t = time.perf_counter()
+            y = _f(x)
+            spent[where[0]][_k].append(time.perf_counter() - t)
+            return y
+        m.forward = timed
+    xs = {m.weight.shape[1]: torch.randn(1, m.weight.shape[1]) for _, m in mods}
+    for _ in range(steps):  # interleaved: this VM's speed drifts within minutes
+        where[0] = "step"
+        eng.step()
+        where[0] = "alone"
+        with torch.inference_mode():
+            for _, m in mods:
+                m(xs[m.weight.shape[1]])
+    in_step, alone = ({k: statistics.median(v) * 1e6 for k, v in spent[w].items()} for w in ("step", "alone"))
+    count = defaultdict(int)
+    for kind, _ in mods:
+        count[kind] += 1
+    return {"us_in_step": in_step, "us_alone": alone, "calls_per_step": dict(count),
+            "ms_per_step_in_step": sum(in_step[k] * n for k, n in count.items()) / 1e3,
+            "ms_per_step_alone": sum(alone[k] * n for k, n in count.items()) / 1e3}
 
 
 def _by_class(prof, steps: int) -> dict:
@@ -207,14 +261,19 @@ def main() -> None:
               + f"; GEMM {r['gemm_gflops_in_step']:.0f} GFLOP/s in the step vs {r['gemm_gflops_ceiling']:.0f} "
                 "standalone", flush=True)
     pre = profile_prefill(model)
-    print(f"prefill of {pre['tokens']} tokens: step {pre['step_ms']:.2f} ms; op share "
+    print(f"prefill of {pre['tokens']} tokens: step {pre['step_ms']:.2f} ms, its Linears alone "
+          f"{pre['linears_alone_ms']:.2f} ms; op share "
           + ", ".join(f"{k} {v:.0%}" for k, v in pre["op_share"].items()), flush=True)
+    per = linears_in_step(model)
+    print("batch-1 projections, us in a step vs alone: " + ", ".join(
+        f"{k} {per['us_in_step'][k]:.0f} / {per['us_alone'][k]:.0f}" for k in per["us_in_step"])
+        + f"; per step {per['ms_per_step_in_step']:.2f} / {per['ms_per_step_alone']:.2f} ms", flush=True)
     fl = floors(model)
     print(f"floors: read {fl['read_gb_s']:.1f} GB/s, so reading the {fl['weight_bytes'] / 1e6:.0f} MB of weights "
           f"takes {fl['decode_floor_ms']:.2f} ms; the model's Linears alone: "
           + ", ".join(f"{x['rows']} rows {x['ms']:.2f} ms ({x['gb_s']:.0f} GB/s, {x['gflops']:.0f} GFLOP/s)"
                       for x in fl["linears"]), flush=True)
-    Path(args.out).write_text(json.dumps({"model": model, "results": results, "prefill": pre, "floors": fl}, indent=1))
+    Path(args.out).write_text(json.dumps({"model": model, "results": results, "prefill": pre, "linears_in_step": per, "floors": fl}, indent=1))
     print(f"wrote {args.out}")
 
 

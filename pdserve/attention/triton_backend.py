@@ -45,6 +45,8 @@ class TritonBackend:
             g = groups[0]
             return paged_decode(q, kv_cache, g.block_table, g.positions, scale,
                                 num_splits(*g.block_table.shape), self.workspace)
+        if not kernel:  # prefill chunks only: the torch backend's path, its single-group fast path included
+            return attend(q, kv_cache, meta, masks, scale)
         rest = [i for i in range(len(groups)) if i not in kernel]
         out = attend(q, kv_cache, meta, masks, scale, rest) if rest else \
             q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])

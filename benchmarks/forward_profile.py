@@ -273,7 +273,8 @@ def main() -> None:
           f"takes {fl['decode_floor_ms']:.2f} ms; the model's Linears alone: "
           + ", ".join(f"{x['rows']} rows {x['ms']:.2f} ms ({x['gb_s']:.0f} GB/s, {x['gflops']:.0f} GFLOP/s)"
                       for x in fl["linears"]), flush=True)
-    Path(args.out).write_text(json.dumps({"model": model, "results": results, "prefill": pre, "linears_in_step": per, "floors": fl}, indent=1))
+    Path(args.out).write_text(json.dumps({"model": model, "results": results, "prefill": pre,
+                                          "linears_in_step": per, "floors": fl}, indent=1))
     print(f"wrote {args.out}")
 
 

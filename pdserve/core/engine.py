@@ -185,15 +185,13 @@ class LLMEngine:
         hits, num_hit = self.kv.get_computed_blocks(req)
         # the replay's slot (and its drafts' lookahead slots) too, as a remote load
         if not self.kv.allocate_slots(req, n - num_hit + self.scheduler.num_lookahead(req), hits):
-            self.output_processor.make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
-                                                            "no free KV blocks"), [])  # drops its per-request state
+            self._fail(req.request_id, "no free KV blocks")  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
         try:
             self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
         except Exception as e:  # nothing of it may stay behind: not its blocks, not its per-request state
-            self.output_processor.make_output(self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
-                                                            f"prefill for the import failed: {e}"), [])
+            self._fail(req.request_id, f"prefill for the import failed: {e}")
             raise
         req.num_computed_tokens = n - 1
         req.num_cached_tokens = num_hit
@@ -261,6 +259,10 @@ class LLMEngine:
         failed = self.scheduler.process_transfers(fin)
         return [self.output_processor.make_output(r, []) for r in failed if r is not None]
 
+    def _fail(self, request_id: str, why: str) -> RequestOutput:
+        return self.output_processor.make_output(
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, why), [])
+
     def step(self) -> list[RequestOutput]:
         transfer_outputs = self._poll_transfers()
         out = self.scheduler.schedule()
@@ -283,9 +285,7 @@ class LLMEngine:
             result = self.runner.execute(out.rows, self.kv.block_table)
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
-            return transfer_outputs + [
-                self.output_processor.make_output(self.scheduler.finish_request(r.request.request_id, RequestStatus.FINISHED_ERROR,
-                                                                f"model step failed: {e}"), []) for r in out.rows]
+            return transfer_outputs + [self._fail(r.request.request_id, f"model step failed: {e}") for r in out.rows]
         updated = self.scheduler.update_from_output(out, result.sampled)
         lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
         return transfer_outputs + self.output_processor.process(updated, lp_by_req)

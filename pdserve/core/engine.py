@@ -119,12 +119,12 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params)
-        self.scheduler.add_request(req)
         req.detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
         req.metrics = RequestMetrics(req.arrival_time)
         req.prompt_text = prompt if isinstance(prompt, str) else None
+        self.scheduler.add_request(req)  # last: a request the scheduler holds is whole
         return req
 
     def _id_in_use(self, request_id: str) -> bool:

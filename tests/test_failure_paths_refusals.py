@@ -1,0 +1,36 @@
+"""Bad input the suite never sent: each is refused with a 400 naming the field (OpenAI-shaped, no traceback), the
+engine never sees it, and the server goes on serving with its KV pool whole. In process (TestClient)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.test_failure_paths_serving import BODY, pool_whole, server
+
+CASES = [
+    ("completions", {"prompt": [5, "x"]}, "token ids must be integers"),
+    ("completions", {"prompt": [[5, 6], [7, 8]]}, "batched prompts"),
+    ("completions", {"best_of": 2}, "best_of: only 1 is supported"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo together with logprobs"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options: only allowed when stream is true"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format: only type 'text'"),
+]
+
+
+@pytest.fixture(scope="module")
+def client(qwen3_tiny):
+    with server(qwen3_tiny) as c:
+        yield c
+
+
+@pytest.mark.parametrize("kind,fields,why", CASES, ids=[c[2].split(":")[0][:24] for c in CASES])
+def test_bad_input_is_a_clear_400(client, kind, fields, why):
+    body = {**BODY, **fields}
+    if kind == "chat/completions":
+        body = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+    r = client.post(f"/v1/{kind}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and why in err["message"] and "Traceback" not in r.text
+    pool_whole(client)
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]

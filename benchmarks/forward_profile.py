@@ -110,6 +110,19 @@ def profile_rows(model: str, rows: int, steps: int) -> dict:
             "gemm_gflops_ceiling": gemm_rate(eng.runner.model, rows), "torch_threads": torch.get_num_threads()}
 
 
+def linears_alone(lins, rows: int):
+    """A callable running `lins` in model order on `rows` rows of fixed random input (one tensor per input width),
+    with nothing between the calls: the step's GEMMs alone."""
+    import torch
+    xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in lins}
+
+    def run() -> None:
+        with torch.inference_mode():
+            for m in lins:
+                m(xs[m.weight.shape[1]])
+    return run
+
+
 def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
     """A prompt of `tokens` tokens prefilled alone, one step each (the step that sets TTFT and, with decodes riding
     on it, the p99 ITL of vs_vllm.py's small workload), timed, then profiled by op class as the decode steps."""
@@ -126,16 +139,9 @@ def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
                         SamplingParams(temperature=0, max_tokens=1))
         while eng.scheduler.waiting or eng.scheduler.running:
             eng.step()
-    import torch
-
     from pdserve.model.layers import Linear
-    lins = [m for m in eng.runner.model.modules() if isinstance(m, Linear)]
-    xs = {m.weight.shape[1]: torch.randn(tokens, m.weight.shape[1]) for m in lins}
-
-    def linears() -> None:  # the step's GEMMs alone (the LM head at every row: an upper bound)
-        with torch.inference_mode():
-            for m in lins:
-                m(xs[m.weight.shape[1]])
+    # the LM head at every row here: an upper bound
+    linears = linears_alone([m for m in eng.runner.model.modules() if isinstance(m, Linear)], tokens)
     for _ in range(3):
         step()
     times, alone = [], []
@@ -160,8 +166,6 @@ def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
 def linears_in_step(model: str, steps: int = 60) -> dict:
     """Each projection's median time inside batch-1 decode steps and called alone back to back (same module, same
     input width, the same minute): whether the GEMMs run slower between the step's other ops than alone."""
-    import torch
-
     from pdserve import LLM, SamplingParams
     from pdserve.model.layers import Linear
     llm = LLM(model, max_model_len=512, max_num_seqs=1)
@@ -179,14 +183,12 @@ def linears_in_step(model: str, steps: int = 60) -> dict:
             spent[where[0]][_k].append(time.perf_counter() - t)
             return y
         m.forward = timed
-    xs = {m.weight.shape[1]: torch.randn(1, m.weight.shape[1]) for _, m in mods}
+    alone_pass = linears_alone([m for _, m in mods], 1)
     for _ in range(steps):  # interleaved: this VM's speed drifts within minutes
         where[0] = "step"
         eng.step()
         where[0] = "alone"
-        with torch.inference_mode():
-            for _, m in mods:
-                m(xs[m.weight.shape[1]])
+        alone_pass()
     in_step, alone = ({k: statistics.median(v) * 1e6 for k, v in spent[w].items()} for w in ("step", "alone"))
     count = defaultdict(int)
     for kind, _ in mods:
@@ -224,20 +226,16 @@ def floors(model: str) -> dict:
     read = nbytes * 5 / (time.perf_counter() - t) / 1e9
     del buf
     out = {"weight_bytes": nbytes, "read_gb_s": read, "decode_floor_ms": nbytes / read / 1e6, "linears": []}
-    with torch.inference_mode():
-        for rows in (1, 4, 8, 128):
-            xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in lins}
-            for m in lins:
-                m(xs[m.weight.shape[1]])
-            reps = 3 if rows == 128 else 10
-            t = time.perf_counter()
-            for _ in range(reps):
-                for m in lins:
-                    m(xs[m.weight.shape[1]])
-            ms = (time.perf_counter() - t) / reps * 1e3
-            flops = 2 * rows * sum(m.weight.numel() for m in lins)
-            out["linears"].append({"rows": rows, "ms": ms, "gflops": flops / ms / 1e6,
-                                   "gb_s": nbytes / ms / 1e6})
+    for rows in (1, 4, 8, 128):
+        run = linears_alone(lins, rows)
+        run()
+        reps = 3 if rows == 128 else 10
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        ms = (time.perf_counter() - t) / reps * 1e3
+        flops = 2 * rows * sum(m.weight.numel() for m in lins)
+        out["linears"].append({"rows": rows, "ms": ms, "gflops": flops / ms / 1e6, "gb_s": nbytes / ms / 1e6})
     return out
 
 

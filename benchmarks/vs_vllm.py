@@ -4,9 +4,10 @@
     .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~25 min
     .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
     .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop: thread vs process
+    .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both servers in bf16 (vs_vllm_bfloat16.json)
 
 For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
-same config (dtype float32, max_model_len, max_num_seqs, block size, prefix caching, one engine, the same threads),
+same config (dtype (float32 unless --dtype), max_model_len, max_num_seqs, block size, prefix caching, one engine, the same threads),
 and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the CPU package, so
 its `main` is called with its own argument parser) drives each one `--runs` times with the random dataset,
 `--ignore-eos`, at the model's request rate. Every run uses another seed (fresh prompts: no prefix-cache hits across
@@ -84,8 +85,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int,
-               backend: str = "thread") -> list[str]:
-    common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench-model", "--dtype", "float32",
+               backend: str = "thread", dtype: str = "float32") -> list[str]:
+    common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench-model", "--dtype", dtype,
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching"]
     if block:
         common += ["--block-size", str(block)]
@@ -126,8 +127,13 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true", help="pdserve only (the ratio columns then compare the "
                     "first backend with the others)")
     ap.add_argument("--skip-pdserve", action="store_true", help="vLLM only (to compare vLLM settings across runs)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/vs_vllm.json"), help="JSON result path")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--dtype of both servers (the "
+                    "models' weights are float32; bfloat16 casts them at load in both)")
+    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/vs_vllm.json, "
+                    "vs_vllm_bfloat16.json for --dtype bfloat16)")
     args = ap.parse_args()
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    args.out = args.out or str(ROOT / f"benchmarks/results/vs_vllm{suffix}.json")
     if args.install:
         install()
         return
@@ -150,7 +156,8 @@ def main() -> None:
             port = 8400 + len(results)
             t0 = time.monotonic()
             kind, _, backend = engine.partition("-")
-            proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size, backend or "thread"),
+            proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size, backend or "thread",
+                                    args.dtype),
                          env, tmp / f"{size}-{engine}.log", port, timeout=600)
             print(f"{size}: {engine} healthy after {time.monotonic() - t0:.0f} s", flush=True)
             try:
@@ -163,7 +170,8 @@ def main() -> None:
             results.append({"model": size, "engine": engine, "isl": isl, "osl": osl, "rate": rate,
                             "num_prompts": args.num_prompts, "median": med, "runs": runs})
             print(f"{size}: {engine} " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
-    Path(args.out).write_text(json.dumps({"vllm": VLLM, "threads": args.threads, "block_size": args.block_size,
+    Path(args.out).write_text(json.dumps({"vllm": VLLM, "dtype": args.dtype, "threads": args.threads,
+                                          "block_size": args.block_size,
                                           "vllm_bind": args.vllm_bind, "results": results}, indent=1))
     if len(arms) < 2:
         return

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.oracle import compare, hf_greedy, make_prompts
+from tests.oracle import BF16_LOGIT_RTOL, BF16_NEAR_TIE, compare, hf_greedy, make_prompts
 
 LENGTHS = [5, 17, 33, 64, 100, 150, 211, 300]
 NEW_TOKENS = 24
@@ -57,3 +57,21 @@ def test_greedy_matches_transformers(tiny_models, arch, dtype):
                 divergences += verdict != "same"
     # float32: at most 1 sequence in 8 may diverge, and only at a near-tie.
     assert divergences <= max(1, len(prompts) * len(configs) * 2 // 8)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_bfloat16_greedy_matches_transformers(tiny_models, arch):
+    """bfloat16 on CPU runs the oneDNN-packed GEMMs (model/layers.py); its tokens follow transformers' in bf16 up to a
+    bf16 near-tie, logits within bf16's resolution."""
+    model_dir = tiny_models[arch]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tok, LENGTHS[:6], seed=1)
+    ref = [hf_greedy(model_dir, torch.bfloat16, p, NEW_TOKENS) for p in prompts]
+    llm, rounds, logits = run_engine(model_dir, "bfloat16", prompts, max_num_batched_tokens=64, block_size=16)
+    assert any(m.packed is not None for m in llm.engine.runner.model.modules() if hasattr(m, "packed")) == bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    verdicts = [compare(out.outputs[0].token_ids, torch.stack(logits[out.request_id]), ref_tokens, ref_logits,
+                        exact=False, near_tie=BF16_NEAR_TIE, logit_rtol=BF16_LOGIT_RTOL)
+                for outs in rounds for out, (ref_tokens, ref_logits) in zip(outs, ref)]
+    assert verdicts.count("same") >= len(verdicts) // 2

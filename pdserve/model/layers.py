@@ -26,10 +26,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed GEMM serves this dtype on this CPU. float32: MKL's small-M GEMM is 2-4x slower on
+    these machines (CPU-NOTES.md) and the packed one was as fast or faster at every M from 1 to 512. bfloat16:
+    F.linear's unpacked bf16 GEMM was slower than float32's packed one (decode 18-21 vs 14-16 ms per token on the
+    small model), packed bf16 reads half the bytes (8.5-11 ms); only where oneDNN has bf16 kernels (AVX512-BF16,
+    AMX or its AVX-512 emulation). float64 has no oneDNN GEMM and stays on F.linear (the exactness tests' dtype)."""
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Linear(nn.Module):
-    """y = x W^T + b. On CPU in float32 the weight is also kept in oneDNN's packed layout: MKL's small-M GEMM is
-    2-4x slower on these machines (CPU-NOTES.md), and decode steps are all small M; the packed GEMM measured as
-    fast or faster at every M from 1 to 512 here."""
+    """y = x W^T + b. On CPU in float32 and bfloat16 the weight is also kept in oneDNN's packed layout (`_packs`
+    says why), which decode steps' small M gains most from."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -39,7 +51,7 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        if w.device.type != "cpu" or not _packs(w.dtype):
             return
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)

@@ -291,8 +291,9 @@ class AsyncEngine:
             self._inbox.put(("release_remote", request_id, params))
 
     async def _ask(self, op: str, arg: Any, timeout: float) -> Any:
-        if not self.ready:
-            raise APIError(503, "the engine is not running")
+        if not self.ready:  # still starting (no info, no error yet) is not dead: say which, as /health does
+            starting = self.info is None and self.error is None
+            raise APIError(503, "the engine is still starting up" if starting else "the engine is not running")
         qid = next(self._qids)
         fut = self._loop.create_future()
         self._queries[qid] = fut

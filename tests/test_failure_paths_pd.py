@@ -1,0 +1,237 @@
+"""Failure paths of a decode node (D, kv_consumer) before a P/D request's first token, in process (TestClient on the
+thread backend, so coverage sees them): telling P to release its lease raises; a drain meets a request whose lease
+check is still out (and refuses new work with 503 while it drains); the request fails before its first token (a
+500, not a 200 stream with an error event); the client goes away before the first token (499). No P runs: the
+params are signed here with D's token and name a port nobody listens on, and P's answer to the lease check is
+steered by replacing the check. Each ends with D's KV pool whole."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+from starlette.testclient import TestClient
+
+from pdserve.config import EngineConfig
+from pdserve.core.engine import LLMEngine
+from pdserve.serve.api_server import ServerState, build_app
+from pdserve.serve.server_config import ServerConfig
+from pdserve.transfer.proof import sign_params
+from pdserve.transfer.tcp import prompt_hash
+from tests.server_harness import free_port
+from tests.test_failure_paths_serving import BODY, events, pool_whole
+
+TOKEN = "failure-paths-token"
+
+
+@contextmanager
+def served(model, kv: dict | None = None, **cfg):
+    """(client, state) of an in-process server; `kv`: a TcpConnector consumer's extra kv_transfer_config."""
+    kwargs = dict(block_size=4, max_model_len=53)
+    if kv is not None:
+        kwargs["kv_transfer_config"] = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
+                                        "kv_auth_token": TOKEN, "kv_transfer_timeout": 1.0, **kv}
+    state = ServerState(EngineConfig.from_kwargs(model, **kwargs), ServerConfig(enable_debug_routes=True, **cfg))
+    app = build_app(state)
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "server not healthy"
+            time.sleep(0.05)
+        yield c, state
+
+
+def engine_core(state):
+    """The EngineCore behind a thread-backend server, once its lease checks exist."""
+    core = state.engine._threads[0]._target.__self__
+    deadline = time.monotonic() + 5
+    while core._checks is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return core
+
+
+def remote_params(prompt_ids, port=None) -> dict:
+    """Remote-prefill params as a P would have signed them (for `prompt_ids`), naming a port nobody listens on."""
+    return sign_params({"do_remote_prefill": True, "transfer_id": f"t-{time.monotonic_ns()}",
+                        "remote_engine_id": "P0", "remote_request_id": "p-1", "remote_host": "127.0.0.1",
+                        "remote_port": port or free_port(), "remote_block_ids": [1, 2],
+                        "num_prompt_tokens": len(prompt_ids), "prompt_hash": prompt_hash(prompt_ids),
+                        "lease_seconds": 30.0}, TOKEN)
+
+
+@pytest.fixture
+def releases(monkeypatch):
+    """Request ids D told P to release a lease for (LLMEngine.release_remote_kv, which still runs)."""
+    seen: list[str] = []
+    real = LLMEngine.release_remote_kv
+
+    def recording(self, params, request_id):
+        seen.append(request_id)
+        return real(self, params, request_id)
+    monkeypatch.setattr(LLMEngine, "release_remote_kv", recording)
+    return seen
+
+
+def wait_for(pred, timeout=5.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Held:
+    """A lease check that waits until `gate` opens, then says P holds the KV for 30 s more."""
+
+    def __init__(self):
+        self.asked, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self, params):
+        self.asked.set()
+        self.gate.wait(10)
+        return 30.0
+
+
+async def asgi(app, method: str, path: str, body: bytes = b"", headers=(), chunks=None,
+               disconnect_after: float | None = None, timeout: float = 10.0) -> dict:
+    """Drive the ASGI app by hand (TestClient cannot disconnect early): the body in `chunks` (default: one), then
+    `http.disconnect` after `disconnect_after` s (never, if None). The status, the body, and the body bytes the
+    app read."""
+    it = iter(chunks if chunks is not None else [body])
+    pending = next(it, b"")
+    read, sent = [0], []
+
+    async def receive():
+        nonlocal pending
+        if pending is not None:
+            chunk, pending = pending, next(it, None)
+            read[0] += len(chunk)
+            return {"type": "http.request", "body": chunk, "more_body": pending is not None}
+        if disconnect_after is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(disconnect_after)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    hdrs = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in headers)]
+    if chunks is None and not any(k == "content-length" for k, _ in headers):
+        hdrs.append((b"content-length", str(len(body)).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": hdrs, "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80)}
+    t0 = time.monotonic()
+    await asyncio.wait_for(app(scope, receive, send), timeout)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return {"status": start["status"], "body": b"".join(m.get("body", b"") for m in sent
+                                                      if m["type"] == "http.response.body"),
+            "read": read[0], "seconds": time.monotonic() - t0}
+
+
+PROMPT = [5, 6, 7, 8]
+PD_BODY = {**BODY, "prompt": PROMPT}
+
+
+def test_a_release_to_p_that_raises_still_answers_400(qwen3_tiny, monkeypatch):
+    """D refuses a P/D request (params signed for another prompt; P's lease check says the KV is gone) and telling
+    P to release the lease raises: the client still gets its 400 naming the params, and the engine loop lives on
+    (the exception is D's to log, never the loop's end)."""
+    tried: list[str] = []
+
+    def broken(self, params, request_id):
+        tried.append(request_id)
+        raise ConnectionError("the KV session to P broke")
+    monkeypatch.setattr(LLMEngine, "release_remote_kv", broken)
+    with served(qwen3_tiny, kv={}) as (c, state):
+        r = c.post("/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT[:-1])})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "kv_transfer_params are for another prompt" in err["message"] and err["param"] == "kv_transfer_params"
+        engine_core(state)._checks._ask = lambda params: 0.0  # P: no such lease any more
+        r = c.post("/v1/completions", json={**PD_BODY, "stream": True, "kv_transfer_params": remote_params(PROMPT)})
+        assert r.status_code == 400, r.text  # held for the first token: a real status, not a 200 stream
+        assert "kv_transfer_params expired" in r.json()["error"]["message"] and "Traceback" not in r.text
+        assert len(tried) == 2
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+        pool_whole(c)
+
+
+def test_a_drain_aborts_requests_waiting_on_their_lease_check(qwen3_tiny, releases):
+    """A drain that times out while a P/D request still waits for P's answer to its lease check: the request ends
+    (finish_reason abort) though it never reached the scheduler, P is told to release the lease when its answer
+    comes (never a load), and while draining new work gets a 503 naming the shutdown."""
+    with served(qwen3_tiny, kv={}) as (c, state):
+        held = Held()
+        engine_core(state)._checks._ask = held
+        out = {}
+        client = threading.Thread(target=lambda: out.update(r=c.post(
+            "/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT)})))
+        client.start()
+        try:
+            assert held.asked.wait(5)
+            async def start_drain():  # its first step runs before any request sent after this returns
+                return asyncio.ensure_future(state.engine.drain(0.3))
+            drain = c.portal.call(start_drain)
+            r = c.post("/v1/completions", json=BODY)
+            assert r.status_code == 503 and "the server is shutting down" in r.json()["error"]["message"]
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json() == {"status": "shutting down"}
+            client.join(4)
+            assert not client.is_alive(), "the drain did not abort the request"
+            wait_for(drain.done, what="the drain to end")
+            r = out["r"]
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "abort" and r.json()["usage"]["completion_tokens"] == 0
+            assert releases == []  # not before P's answer
+        finally:
+            held.gate.set()
+        wait_for(lambda: len(releases) == 1, what="the release to P")
+        core = engine_core(state)
+        assert not core._checks.pending and not core.engine.scheduler.requests
+        pool_whole(c)
+
+
+def test_an_error_before_the_first_token_of_a_pd_stream_is_a_500(qwen3_tiny):
+    """P is gone (nothing listens where the params point) and D's policy is to fail: the stream's headers were
+    held for the first token, so the client gets a 500 naming the failure, not a 200 stream with an error
+    event."""
+    with served(qwen3_tiny, kv={"kv_load_failure_policy": "fail"}) as (c, state):
+        r = c.post("/v1/completions", json={**PD_BODY, "stream": True, "kv_transfer_params": remote_params(PROMPT)})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == 500 and err["message"].startswith("the request failed: ") and "Traceback" not in r.text
+        assert "KV load failed (ConnectionRefusedError)" in err["message"], err
+        pool_whole(c)
+        r = c.post("/v1/completions", json={**BODY, "stream": True})
+        assert r.status_code == 200 and events(r.text)[-1] == "[DONE]"
+        pool_whole(c)
+
+
+def test_a_client_gone_before_the_first_token_of_a_pd_stream_is_499(qwen3_tiny, releases):
+    """The client goes away while D waits for P's answer to the lease check (the stream's headers not sent yet):
+    499, the request is dropped when the answer comes (P told to release, nothing loaded), the pool whole."""
+    with served(qwen3_tiny, kv={}) as (c, state):
+        held, core = Held(), engine_core(state)
+        core._checks._ask = held
+        body = json.dumps({**PD_BODY, "stream": True, "kv_transfer_params": remote_params(PROMPT)}).encode()
+        try:
+            res = c.portal.call(lambda: asgi(c.app, "POST", "/v1/completions", body, disconnect_after=0.3,
+                                             timeout=5))
+            assert res["status"] == 499 and res["seconds"] < 3, res
+            assert held.asked.is_set() and releases == []
+            # the abort reached the engine loop while P's answer was still out (P answering first would make this
+            # an abort of an admitted request: another path)
+            wait_for(lambda: list(core._checks._open.values()) == [False], what="the abort to reach the engine")
+        finally:
+            held.gate.set()
+        wait_for(lambda: len(releases) == 1, what="the release to P")
+        assert not core._checks.pending and not core.engine.scheduler.requests
+        pool_whole(c)
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]

@@ -1,6 +1,7 @@
 """Where a decode step's forward goes on the small model: the op-level profile behind issue 11's small-model ratio.
 
     .venv/bin/python benchmarks/forward_profile.py            # writes benchmarks/results/forward_profile.json
+    .venv/bin/python benchmarks/forward_profile.py --dtype bfloat16   # the same in bf16 (forward_profile_bfloat16.json)
 
 For batch sizes 1, 4 and 8 (the concurrency of vs_vllm.py's small-model workload, 128 in / 32 out at 2 req/s, is
 about 3), R requests with 128-token prompts are prefilled, then decode steps are profiled with torch.profiler and
@@ -60,12 +61,12 @@ def gemm_rate(model, rows: int, steps: int = 50) -> float:
         return 2 * rows * in_f * out_f * steps / (time.perf_counter() - t) / 1e9
 
 
-def profile_rows(model: str, rows: int, steps: int) -> dict:
+def profile_rows(model: str, rows: int, steps: int, dtype: str = "float32") -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve import LLM, SamplingParams
-    llm = LLM(model, max_model_len=512, max_num_seqs=max(rows, 1))
+    llm = LLM(model, dtype=dtype, max_model_len=512, max_num_seqs=max(rows, 1))
     eng = llm.engine
     for i in range(rows):
         eng.add_request([3 + (i * 131 + j * 7) % 8000 for j in range(128)],
@@ -123,13 +124,13 @@ def linears_alone(lins, rows: int):
     return run
 
 
-def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
+def profile_prefill(model: str, tokens: int = 128, reps: int = 12, dtype: str = "float32") -> dict:
     """A prompt of `tokens` tokens prefilled alone, one step each (the step that sets TTFT and, with decodes riding
     on it, the p99 ITL of vs_vllm.py's small workload), timed, then profiled by op class as the decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve import LLM, SamplingParams
-    llm = LLM(model, max_model_len=512, max_num_seqs=1)
+    llm = LLM(model, dtype=dtype, max_model_len=512, max_num_seqs=1)
     eng = llm.engine
     seen = [0]
 
@@ -163,12 +164,12 @@ def profile_prefill(model: str, tokens: int = 128, reps: int = 12) -> dict:
             "op_share": {k: round(v / total, 3) for k, v in sorted(by_class.items())}}
 
 
-def linears_in_step(model: str, steps: int = 60) -> dict:
+def linears_in_step(model: str, steps: int = 60, dtype: str = "float32") -> dict:
     """Each projection's median time inside batch-1 decode steps and called alone back to back (same module, same
     input width, the same minute): whether the GEMMs run slower between the step's other ops than alone."""
     from pdserve import LLM, SamplingParams
     from pdserve.model.layers import Linear
-    llm = LLM(model, max_model_len=512, max_num_seqs=1)
+    llm = LLM(model, dtype=dtype, max_model_len=512, max_num_seqs=1)
     eng = llm.engine
     eng.add_request([5] * 128, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     for _ in range(5):
@@ -206,7 +207,7 @@ def _by_class(prof, steps: int) -> dict:
     return by_class
 
 
-def floors(model: str) -> dict:
+def floors(model: str, dtype: str = "float32") -> dict:
     """What the hardware allows the same forward: this machine's read bandwidth over a buffer the size of the
     weights (none of it in cache), the decode floor it sets (every weight read once per step), and every Linear of
     the model called in model order at 1, 4, 8 and 128 rows (weights streamed from memory, as in a step, with
@@ -215,7 +216,7 @@ def floors(model: str) -> dict:
 
     from pdserve import LLM
     from pdserve.model.layers import Linear
-    llm = LLM(model, max_model_len=128, max_num_seqs=1, num_gpu_blocks_override=10)
+    llm = LLM(model, dtype=dtype, max_model_len=128, max_num_seqs=1, num_gpu_blocks_override=10)
     lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in lins)
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -245,33 +246,38 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model directory (default: the small Qwen3 vs_vllm.py uses)")
     ap.add_argument("--rows", default="1,4,8", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=30, help="profiled decode steps per batch size")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/forward_profile.json"), help="JSON result path")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (bfloat16: the "
+                    "float32 weights cast at load, oneDNN-packed as float32's are)")
+    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/forward_profile.json, "
+                    "forward_profile_bfloat16.json for --dtype bfloat16)")
     args = ap.parse_args()
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    args.out = args.out or str(ROOT / f"benchmarks/results/forward_profile{suffix}.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pdserve.model.make_model import ensure_model
     model = args.model or str(ensure_model("qwen3", "small", 0))
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        r = profile_rows(model, rows, args.steps)
+        r = profile_rows(model, rows, args.steps, args.dtype)
         results.append(r)
         print(f"rows {rows:3d}: step {r['step_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms; op share "
               + ", ".join(f"{k} {v:.0%}" for k, v in r["op_share"].items())
               + f"; GEMM {r['gemm_gflops_in_step']:.0f} GFLOP/s in the step vs {r['gemm_gflops_ceiling']:.0f} "
                 "standalone", flush=True)
-    pre = profile_prefill(model)
+    pre = profile_prefill(model, dtype=args.dtype)
     print(f"prefill of {pre['tokens']} tokens: step {pre['step_ms']:.2f} ms, its Linears alone "
           f"{pre['linears_alone_ms']:.2f} ms; op share "
           + ", ".join(f"{k} {v:.0%}" for k, v in pre["op_share"].items()), flush=True)
-    per = linears_in_step(model)
+    per = linears_in_step(model, dtype=args.dtype)
     print("batch-1 projections, us in a step vs alone: " + ", ".join(
         f"{k} {per['us_in_step'][k]:.0f} / {per['us_alone'][k]:.0f}" for k in per["us_in_step"])
         + f"; per step {per['ms_per_step_in_step']:.2f} / {per['ms_per_step_alone']:.2f} ms", flush=True)
-    fl = floors(model)
+    fl = floors(model, args.dtype)
     print(f"floors: read {fl['read_gb_s']:.1f} GB/s, so reading the {fl['weight_bytes'] / 1e6:.0f} MB of weights "
           f"takes {fl['decode_floor_ms']:.2f} ms; the model's Linears alone: "
           + ", ".join(f"{x['rows']} rows {x['ms']:.2f} ms ({x['gb_s']:.0f} GB/s, {x['gflops']:.0f} GFLOP/s)"
                       for x in fl["linears"]), flush=True)
-    Path(args.out).write_text(json.dumps({"model": model, "results": results, "prefill": pre,
+    Path(args.out).write_text(json.dumps({"model": model, "dtype": args.dtype, "results": results, "prefill": pre,
                                           "linears_in_step": per, "floors": fl}, indent=1))
     print(f"wrote {args.out}")
 

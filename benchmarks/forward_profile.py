@@ -115,7 +115,7 @@ def linears_alone(lins, rows: int):
     """A callable running `lins` in model order on `rows` rows of fixed random input (one tensor per input width),
     with nothing between the calls: the step's GEMMs alone."""
     import torch
-    xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in lins}
+    xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in lins}
 
     def run() -> None:
         with torch.inference_mode():

@@ -10,6 +10,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -126,4 +127,40 @@ def test_the_engine_stops_cleanly_when_the_server_goes_away(qwen3_tiny, monkeypa
     assert not eng.scheduler.requests
     logs = caplog.text
     assert "engine stopped: 0 KV blocks in use" in logs and "engine loop died" not in logs, logs
+    assert not thread_deaths, thread_deaths
+
+
+def test_an_engine_output_that_does_not_unpickle_ends_the_requests_and_the_engine(qwen3_tiny, monkeypatch,
+                                                                                 thread_deaths):
+    """A message from the engine process that fails to unpickle: its tokens are lost, so the stream ends with an
+    error event naming it (not a wait forever), the engine process is stopped and new requests get 503."""
+    from multiprocessing.connection import Connection
+    real = Connection.recv
+    broken = []
+
+    def recv(self):
+        obj = real(self)
+        if not broken and isinstance(obj, StepBatch) and any(r.new_token_ids for r in obj.records):
+            broken.append(obj)
+            raise pickle.UnpicklingError("invalid load key")
+        return obj
+    monkeypatch.setattr(Connection, "recv", recv)
+    with served(qwen3_tiny, engine_backend="process") as (c, state):
+        out = {}
+        client = threading.Thread(target=lambda: out.update(r=c.post(
+            "/v1/completions", json={**BODY, "max_tokens": 45, "stream": True})), daemon=True)
+        client.start()
+        client.join(10)
+        assert not client.is_alive(), "the stream never ended"
+        r = out["r"]
+        assert r.status_code == 200 and broken
+        ev = events(r.text)
+        errs = [json.loads(e)["error"] for e in ev[:-1] if "error" in json.loads(e)]
+        assert errs and "an engine output could not be read (UnpicklingError)" in errs[0]["message"], ev[-3:]
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 503
+        assert state.engine.num_in_flight == 0
+        proc = state.engine._proc
+        proc.join(5)
+        assert not proc.is_alive()
     assert not thread_deaths, thread_deaths

@@ -89,6 +89,13 @@ class AsyncEngine:
             except (EOFError, OSError):
                 self._from_engine(RuntimeError("the engine process exited"))
                 return
+            except Exception as e:  # a message that does not unpickle: its outputs are lost, so every request's
+                # state is in doubt; end them all and the engine with them rather than let them wait forever
+                logger.exception("an engine output could not be read")
+                self._from_engine(RuntimeError(f"an engine output could not be read ({type(e).__name__})"))
+                if self._proc is not None:
+                    self._proc.kill()
+                return
             self._from_engine(obj)
 
     def _pipe_writer(self, conn) -> None:

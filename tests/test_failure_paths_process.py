@@ -35,6 +35,19 @@ def thread_deaths(monkeypatch):
     return seen
 
 
+def stream_until_it_ends(c) -> tuple[list, list]:
+    """A 45-token stream, run on a thread so that a hang fails the test in 10 s: (its events, its error objects)."""
+    out = {}
+    client = threading.Thread(target=lambda: out.update(r=c.post(
+        "/v1/completions", json={**BODY, "max_tokens": 45, "stream": True})), daemon=True)
+    client.start()
+    client.join(10)
+    assert not client.is_alive(), "the stream never ended"
+    assert out["r"].status_code == 200
+    ev = events(out["r"].text)
+    return ev, [json.loads(e)["error"] for e in ev[:-1] if "error" in json.loads(e)]
+
+
 def test_the_engine_process_dying_fails_its_requests_and_refuses_new_ones(qwen3_tiny, monkeypatch, thread_deaths):
     """SIGKILL of the engine process while a stream is generating: the stream ends with an error event naming the
     engine's exit (not a hang), /health and new requests say the engine is not running (503), and shutting down
@@ -50,17 +63,8 @@ def test_the_engine_process_dying_fails_its_requests_and_refuses_new_ones(qwen3_
         return real(self, recs)
     monkeypatch.setattr(ResponseBuilder, "chunks", kill_on_first_token)
     with served(qwen3_tiny, engine_backend="process") as (c, state):
-        out = {}
-        client = threading.Thread(target=lambda: out.update(r=c.post(
-            "/v1/completions", json={**BODY, "max_tokens": 45, "stream": True})), daemon=True)
-        client.start()
-        client.join(10)
-        assert not client.is_alive(), "the stream never ended"
-        r = out["r"]
-        assert r.status_code == 200 and killed
-        ev = events(r.text)
-        assert ev[-1] == "[DONE]"
-        errs = [json.loads(e)["error"] for e in ev[:-1] if "error" in json.loads(e)]
+        ev, errs = stream_until_it_ends(c)
+        assert killed and ev[-1] == "[DONE]"
         assert errs and "the engine process exited" in errs[0]["message"], ev[-3:]
         texts = [json.loads(e)["choices"][0]["text"] for e in ev[:-1] if "choices" in json.loads(e)]
         assert len(texts) < 45
@@ -146,17 +150,8 @@ def test_an_engine_output_that_does_not_unpickle_ends_the_requests_and_the_engin
         return obj
     monkeypatch.setattr(Connection, "recv", recv)
     with served(qwen3_tiny, engine_backend="process") as (c, state):
-        out = {}
-        client = threading.Thread(target=lambda: out.update(r=c.post(
-            "/v1/completions", json={**BODY, "max_tokens": 45, "stream": True})), daemon=True)
-        client.start()
-        client.join(10)
-        assert not client.is_alive(), "the stream never ended"
-        r = out["r"]
-        assert r.status_code == 200 and broken
-        ev = events(r.text)
-        errs = [json.loads(e)["error"] for e in ev[:-1] if "error" in json.loads(e)]
-        assert errs and "an engine output could not be read (UnpicklingError)" in errs[0]["message"], ev[-3:]
+        ev, errs = stream_until_it_ends(c)
+        assert broken and errs and "an engine output could not be read (UnpicklingError)" in errs[0]["message"], ev[-3:]
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503
         assert state.engine.num_in_flight == 0

@@ -29,9 +29,9 @@ class RMSNorm(nn.Module):
 def _packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed GEMM serves this dtype on this CPU. float32: MKL's small-M GEMM is 2-4x slower on
     these machines (CPU-NOTES.md) and the packed one was as fast or faster at every M from 1 to 512. bfloat16:
-    F.linear's unpacked bf16 GEMM was slower than float32's packed one (decode 18-21 vs 14-16 ms per token on the
-    small model), packed bf16 reads half the bytes (8.5-11 ms); only where oneDNN has bf16 kernels (AVX512-BF16,
-    AMX or its AVX-512 emulation). float64 has no oneDNN GEMM and stays on F.linear (the exactness tests' dtype)."""
+    F.linear's unpacked bf16 GEMM made a decode step slower than packed float32's (a scratch run, NOTES.md session
+    9), packed bf16 reads half the bytes (forward_profile.py --dtype bfloat16); only where oneDNN has bf16 kernels
+    (AVX512-BF16, AMX or its AVX-512 emulation). float64 has no oneDNN GEMM and stays on F.linear (the exactness tests' dtype)."""
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     if dtype == torch.float32:

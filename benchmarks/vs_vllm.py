@@ -4,13 +4,13 @@
     .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~25 min
     .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
     .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop: thread vs process
-    .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both servers in bf16 (vs_vllm_bfloat16.json)
+    .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both in bf16: vs_vllm_bfloat16.json
 
 For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
-same config (dtype (float32 unless --dtype), max_model_len, max_num_seqs, block size, prefix caching, one engine, the same threads),
-and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the CPU package, so
-its `main` is called with its own argument parser) drives each one `--runs` times with the random dataset,
-`--ignore-eos`, at the model's request rate. Every run uses another seed (fresh prompts: no prefix-cache hits across
+same config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, one engine, the
+same threads), and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the
+CPU package, so its `main` is called with its own argument parser) drives each one `--runs` times with the random
+dataset, `--ignore-eos`, at the model's request rate. Every run uses another seed (fresh prompts: no prefix-cache hits across
 runs), and both servers see the same seeds. The table shows the medians of the runs and pdserve / vLLM ratios; the
 JSON keeps every run. A benchmark, never a test: run it on a quiet machine.
 """

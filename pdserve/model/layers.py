@@ -31,7 +31,8 @@ def _packs(dtype: torch.dtype) -> bool:
     these machines (CPU-NOTES.md) and the packed one was as fast or faster at every M from 1 to 512. bfloat16:
     F.linear's unpacked bf16 GEMM made a decode step slower than packed float32's (a scratch run, NOTES.md session
     9), packed bf16 reads half the bytes (forward_profile.py --dtype bfloat16); only where oneDNN has bf16 kernels
-    (AVX512-BF16, AMX or its AVX-512 emulation). float64 has no oneDNN GEMM and stays on F.linear (the exactness tests' dtype)."""
+    (AVX512-BF16, AMX or its AVX-512 emulation). float64 has no oneDNN GEMM and stays on F.linear (the exactness
+    tests' dtype)."""
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     if dtype == torch.float32:

@@ -5,10 +5,11 @@
     .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
     .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop: thread vs process
     .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both in bf16: vs_vllm_bfloat16.json
+    .venv/bin/python benchmarks/vs_vllm.py --models small --long-prefill-token-threshold 32   # vs_vllm_lpt32.json
 
 For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
-same config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, one engine, the
-same threads), and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the
+same config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, the prefill
+chunk cap of --long-prefill-token-threshold, one engine, the same threads), and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the
 CPU package, so its `main` is called with its own argument parser) drives each one `--runs` times with the random
 dataset, `--ignore-eos`, at the model's request rate. Every run uses another seed (fresh prompts: no prefix-cache hits across
 runs), and both servers see the same seeds. The table shows the medians of the runs and pdserve / vLLM ratios; the
@@ -85,9 +86,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int,
-               backend: str = "thread", dtype: str = "float32") -> list[str]:
+               backend: str = "thread", dtype: str = "float32", long_prefill: int = 0) -> list[str]:
     common = ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench-model", "--dtype", dtype,
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching"]
+    if long_prefill:
+        common += ["--long-prefill-token-threshold", str(long_prefill)]
     if block:
         common += ["--block-size", str(block)]
     if engine == "vllm":
@@ -129,10 +132,16 @@ def main() -> None:
     ap.add_argument("--skip-pdserve", action="store_true", help="vLLM only (to compare vLLM settings across runs)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--dtype of both servers (the "
                     "models' weights are float32; bfloat16 casts them at load in both)")
-    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/vs_vllm.json, "
-                    "vs_vllm_bfloat16.json for --dtype bfloat16)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="both servers compute at most "
+                    "this many prompt tokens of one request per step (0: off, both servers' default); smaller "
+                    "chunks shorten the steps that decoding requests wait on")
+    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/vs_vllm.json; "
+                    "vs_vllm_bfloat16.json for --dtype bfloat16, vs_vllm_lpt<N>.json for a threshold)")
     args = ap.parse_args()
-    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    if args.long_prefill_token_threshold < 0:
+        ap.error("--long-prefill-token-threshold must be >= 0")
+    suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + \
+        (f"_lpt{args.long_prefill_token_threshold}" if args.long_prefill_token_threshold else "")
     args.out = args.out or str(ROOT / f"benchmarks/results/vs_vllm{suffix}.json")
     if args.install:
         install()
@@ -157,7 +166,7 @@ def main() -> None:
             t0 = time.monotonic()
             kind, _, backend = engine.partition("-")
             proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size, backend or "thread",
-                                    args.dtype),
+                                    args.dtype, args.long_prefill_token_threshold),
                          env, tmp / f"{size}-{engine}.log", port, timeout=600)
             print(f"{size}: {engine} healthy after {time.monotonic() - t0:.0f} s", flush=True)
             try:
@@ -172,6 +181,7 @@ def main() -> None:
             print(f"{size}: {engine} " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
     Path(args.out).write_text(json.dumps({"vllm": VLLM, "dtype": args.dtype, "threads": args.threads,
                                           "block_size": args.block_size,
+                                          "long_prefill_token_threshold": args.long_prefill_token_threshold,
                                           "vllm_bind": args.vllm_bind, "results": results}, indent=1))
     if len(arms) < 2:
         return

@@ -55,6 +55,9 @@ class SchedulerConfig:
     max_num_seqs: int = _f(128, "Most requests in one step's batch.")
     max_num_batched_tokens: int = _f(2048, "Most tokens (prefill + decode) in one step.")
     enable_chunked_prefill: bool = _f(True, "Split long prompts over several steps to fit the token budget.")
+    long_prefill_token_threshold: int = _f(0, "Most tokens of one request's prefill chunk in one step (0: only the "
+                                              "token budget caps it); smaller chunks keep the steps that decoding "
+                                              "requests wait on short, at the cost of the prompts' TTFT.")
 
 
 CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
@@ -259,6 +262,9 @@ class EngineConfig:
             (s.max_num_batched_tokens >= s.max_num_seqs or s.enable_chunked_prefill,
              "max_num_batched_tokens must be >= max_num_seqs"),
             (s.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (s.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"),
+            (s.long_prefill_token_threshold == 0 or s.enable_chunked_prefill,
+             "long_prefill_token_threshold needs enable_chunked_prefill (a capped prompt is computed in chunks)"),
             (c.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
             (c.gpu_memory_utilization is None or 0 < c.gpu_memory_utilization <= 1,
              "gpu_memory_utilization must be in (0, 1]"),

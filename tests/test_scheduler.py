@@ -24,11 +24,11 @@ _fresh = itertools.count(10_000, 1_000)  # prompts given as a length get tokens 
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, chunked=True, caching=True,
-         max_model_len=1024):
+         max_model_len=1024, long_prefill_token_threshold=0, spec=None):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          enable_chunked_prefill=chunked)
-    return Scheduler(cfg, kv, max_model_len), kv
+                          enable_chunked_prefill=chunked, long_prefill_token_threshold=long_prefill_token_threshold)
+    return Scheduler(cfg, kv, max_model_len, speculative_config=spec), kv
 
 
 def req(rid, prompt, max_tokens=4, **sp) -> Request:
@@ -269,6 +269,88 @@ def test_chunk_takes_what_is_left_of_the_budget():
     out = step(sched)
     assert [(row.request.request_id, row.num_scheduled_tokens, s) for row, s in zip(out.rows, out.samples)] == \
         [("a", 1, True), ("b", 9, False)]
+
+
+def chunks_of(sched, r) -> list[tuple[int, int, bool]]:
+    """(computed, scheduled, samples) of each of `r`'s rows until it finishes."""
+    rows = []
+    while not r.is_finished:
+        out = step(sched)
+        rows += [(row.num_computed_tokens, row.num_scheduled_tokens, s) for row, s in zip(out.rows, out.samples)
+                 if row.request is r]
+    return rows
+
+
+@pytest.mark.parametrize("prompt", [1, 6, 7, 8, 21, 22, 50])
+def test_long_prefill_threshold_caps_every_chunk(prompt):
+    """Threshold 7 over 4-token blocks (chunks end mid-block): a prompt of k chunks, k chunks + 1 and one token."""
+    sched, kv = make(long_prefill_token_threshold=7)
+    r = req("r", prompt, max_tokens=2)
+    sched.add_request(r)
+    sizes = [n for _, n, _ in chunks_of(sched, r)]
+    expected = [7] * (prompt // 7) + ([prompt % 7] if prompt % 7 else []) + [1]
+    assert sizes == expected
+    all_free(sched, kv)
+
+
+def test_long_prefill_threshold_leaves_decodes_and_the_budget_as_they_were():
+    """Decodes keep their one token; each prompt is capped on its own, and the budget still caps their sum."""
+    sched, kv = make(max_num_batched_tokens=12, long_prefill_token_threshold=5)
+    sched.add_request(req("d", 3, max_tokens=20))
+    step(sched)
+    for rid in "abc":
+        sched.add_request(req(rid, 30))
+    out = step(sched)
+    assert [(row.request.request_id, row.num_scheduled_tokens) for row in out.rows] == \
+        [("d", 1), ("a", 5), ("b", 5), ("c", 1)]
+    out = step(sched)
+    assert [(row.request.request_id, row.num_scheduled_tokens) for row in out.rows] == \
+        [("d", 1), ("a", 5), ("b", 5), ("c", 1)]
+    run_all(sched)
+    all_free(sched, kv)
+
+
+def test_long_prefill_threshold_counts_after_the_prefix_cache_hit():
+    sched, kv = make(long_prefill_token_threshold=6)
+    base = req("base", 16, max_tokens=1)
+    sched.add_request(base)
+    run_all(sched)
+    r = req("again", base.prompt_token_ids + list(range(500, 511)), max_tokens=1)
+    sched.add_request(r)
+    rows = chunks_of(sched, r)
+    assert rows[0][0] == 16 and [n for _, n, _ in rows] == [6, 5]  # 16 cached, 11 left: 6 + 5
+    all_free(sched, kv)
+
+
+def test_long_prefill_threshold_one_never_drafts_inside_a_prompt():
+    """With threshold 1 every prompt row is one token; only the last one (the decode-shaped row) takes drafts."""
+    from pdserve.spec_decode.config import SpeculativeConfig
+    sched, kv = make(long_prefill_token_threshold=1, spec=SpeculativeConfig(3, prompt_lookup_min=1,
+                                                                             prompt_lookup_max=2))
+    r = req("r", [7, 8, 9, 7, 8, 9, 7, 8], max_tokens=3)
+    sched.add_request(r)
+    drafted = []
+    while not r.is_finished:
+        out = sched.schedule()
+        check(sched, kv)
+        (row,) = out.rows
+        drafted.append((row.num_computed_tokens, row.num_scheduled_tokens, len(row.draft_token_ids)))
+        # a drafting row gets its emitted tokens (here: every draft rejected, one correction)
+        sched.update_from_output(out, [[TOK] if row.draft_token_ids else (TOK if row.samples else None)])
+        check(sched, kv)
+    assert drafted[:7] == [(c, 1, 0) for c in range(7)]
+    assert drafted[7:] == [(7, 4, 3), (8, 4, 3), (9, 4, 3)]
+    all_free(sched, kv)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be >= 0"),
+    (dict(long_prefill_token_threshold=8, enable_chunked_prefill=False), "needs enable_chunked_prefill"),
+])
+def test_long_prefill_threshold_config_errors(kw, msg):
+    from pdserve.config import EngineConfig
+    with pytest.raises(ValueError, match=msg):
+        EngineConfig.from_kwargs("unused-model-dir", max_num_batched_tokens=4096, **kw)
 
 
 def test_chunked_prefill_disabled_admits_only_whole_prompts():

@@ -1,8 +1,9 @@
 """Continuous batching: running requests first, then admissions; chunked prefill; preemption by recompute.
 
 One step:
-1. every RUNNING request gets its next tokens (1 for a decode, up to the budget for a prefill chunk); when blocks
-   run out, the most recently admitted running request is preempted (blocks freed, back to the queue's front);
+1. every RUNNING request gets its next tokens (1 for a decode; for a prefill chunk, up to the budget and
+   `long_prefill_token_threshold`); when blocks run out, the most recently admitted running request is preempted
+   (blocks freed, back to the queue's front);
 2. if nothing was preempted, requests holding imported KV (`ready`) get a seat for their one-token replay, then
    WAITING/PREEMPTED requests are admitted strictly in order while seats, tokens and blocks last, starting after
    their prefix-cache hit; on a P/D consumer a request whose KV can be loaded is parked in `loading` instead (its
@@ -117,8 +118,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = req.num_tokens - req.num_computed_tokens
-            drafts = self._drafts(req) if drafting and num_new == 1 else _NO_DRAFTS
+            left = req.num_tokens - req.num_computed_tokens
+            drafts = self._drafts(req) if drafting and left == 1 else _NO_DRAFTS
+            num_new = self._chunk(left)
             # All or nothing: drafts that do not fit the budget or the free blocks are dropped (the row decodes
             # its one token), never cut short, and never the cause of a preemption.
             if drafts and (1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts))):
@@ -159,9 +161,10 @@ class Scheduler:
             if load == "loading":
                 self.loading[self.waiting.popleft().request_id] = req
                 continue
-            num_new = req.num_tokens - num_hit
+            left = req.num_tokens - num_hit
             # a preempted request whose prefix cache covers all but its last token resumes as a decode row
-            drafts = self._drafts(req) if drafting and num_new == 1 and num_hit and load is None else _NO_DRAFTS
+            drafts = self._drafts(req) if drafting and left == 1 and num_hit and load is None else _NO_DRAFTS
+            num_new = self._chunk(left)
             if drafts and 1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts), hits):
                 self.waiting.popleft()
                 budget -= self._admit(req, hits, num_hit, 1 + len(drafts), out, drafts)
@@ -172,6 +175,12 @@ class Scheduler:
             self.waiting.popleft()
             budget -= self._admit(req, hits, num_hit, min(num_new, budget), out)
         return out
+
+    def _chunk(self, num_new: int) -> int:
+        """A row's tokens to compute this step, capped at long_prefill_token_threshold (never a decode's one token:
+        the threshold is >= 1 when set)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap else num_new
 
     def _admit(self, req: Request, hits: list[int], num_hit: int, num_new: int, out: SchedulerOutput,
                drafts: Sequence[int] = _NO_DRAFTS) -> int:

@@ -141,7 +141,7 @@ def _run(case: dict, model_dir: str, res: Result) -> None:
             finished[o.request_id] = o
 
     stall, idle, step = 0, 0, 0
-    per_req = cdiv(cfg["max_model_len"], cfg["max_num_batched_tokens"]) + 2
+    per_req = cdiv(cfg["max_model_len"], min(cfg["max_num_batched_tokens"], cfg.get("long_prefill") or 1 << 30)) + 2
     while True:
         for rid, q in reqs.items():
             if q["at"] == step:

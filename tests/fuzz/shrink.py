@@ -41,9 +41,11 @@ def _config_edits(case: dict):
                  ("mode", "FULL_AND_PIECEWISE"), ("eager", False), ("capture_max", None), ("rule", "decode-shaped")):
         if cfg[k] != v:
             yield {**cfg, k: v}
+    if cfg.get("long_prefill"):
+        yield {**cfg, "long_prefill": 0}
     if cfg["chunked_prefill"]:
-        yield {**cfg, "chunked_prefill": False, "max_num_batched_tokens": max(cfg["max_model_len"],
-                                                                              cfg["max_num_seqs"], 2048)}
+        yield {**cfg, "chunked_prefill": False, "long_prefill": 0,
+               "max_num_batched_tokens": max(cfg["max_model_len"], cfg["max_num_seqs"], 2048)}
     extra = cfg["num_blocks"] - 1 - cdiv(cfg["max_model_len"], cfg["block_size"])
     for mml in (need, cfg["max_model_len"] // 2, cfg["max_model_len"] - 1):
         if need <= mml < cfg["max_model_len"]:

@@ -38,6 +38,8 @@ def gen_config(r: random.Random) -> dict:
         cfg["kv"] = {"connector": "fuzz", "policy": r.choice(["recompute", "fail"]), "timeout_steps": r.randint(1, 12)}
     elif u < 0.7:  # a P/D consumer without a connector (add_prefilled_request arrivals): the prompt-tail rule applies
         cfg["kv"] = {"connector": "bench"}
+    # drawn last, so that the fields above keep the values they had for a seed before this field existed
+    cfg["long_prefill"] = r.choice([0, 0, 0, 1, r.randint(2, 40)]) if chunked else 0
     return cfg
 
 
@@ -150,6 +152,7 @@ def engine_kwargs(cfg: dict) -> dict:
     kw = dict(block_size=cfg["block_size"], max_model_len=cfg["max_model_len"],
               num_gpu_blocks_override=cfg["num_blocks"], enable_prefix_caching=cfg["prefix_caching"],
               enable_chunked_prefill=cfg["chunked_prefill"], max_num_batched_tokens=cfg["max_num_batched_tokens"],
+              long_prefill_token_threshold=cfg.get("long_prefill", 0),
               max_num_seqs=cfg["max_num_seqs"], full_graph_rule=cfg["rule"], cudagraph_mode=cfg["mode"],
               enforce_eager=cfg["eager"], max_cudagraph_capture_size=cfg["capture_max"], seed=cfg["seed"],
               device="cpu")

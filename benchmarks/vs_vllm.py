@@ -8,12 +8,13 @@
     .venv/bin/python benchmarks/vs_vllm.py --models small --long-prefill-token-threshold 32   # vs_vllm_lpt32.json
 
 For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
-same config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, the prefill
-chunk cap of --long-prefill-token-threshold, one engine, the same threads), and `vllm.benchmarks.serve` (vLLM's client, run from its venv: its `vllm` console script fails in the
-CPU package, so its `main` is called with its own argument parser) drives each one `--runs` times with the random
-dataset, `--ignore-eos`, at the model's request rate. Every run uses another seed (fresh prompts: no prefix-cache hits across
-runs), and both servers see the same seeds. The table shows the medians of the runs and pdserve / vLLM ratios; the
-JSON keeps every run. A benchmark, never a test: run it on a quiet machine.
+same config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, the prefill chunk
+cap of --long-prefill-token-threshold, one engine, the same threads), and `vllm.benchmarks.serve` (vLLM's client, run
+from its venv: its `vllm` console script fails in the CPU package, so its `main` is called with its own argument
+parser) drives each one `--runs` times with the random dataset, `--ignore-eos`, at the model's request rate. Every run
+uses another seed (fresh prompts: no prefix-cache hits across runs), and both servers see the same seeds. The table
+shows the medians of the runs and pdserve / vLLM ratios; the JSON keeps every run. A benchmark, never a test: run it
+on a quiet machine.
 """
 from __future__ import annotations
 

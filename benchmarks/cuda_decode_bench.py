@@ -113,9 +113,13 @@ def kernel_bandwidth(device: str, dtype: torch.dtype, smoke: bool) -> dict:
     dst = torch.empty_like(src)
     t_copy = timed(lambda: dst.copy_(src), reps)
     copy_bw = 2 * src.numel() * src.element_size() / t_copy  # read + write
+    # keys per loop step (the default is the block size): the first GPU run says whether a larger tile pays
+    tiles = {t: timed(lambda: paged_decode(q, cache, table, positions, hd ** -0.5, splits, ws, t), reps)
+             for t in (32, 64)}
     return {"rows": rows, "context": ctx, "kv_heads": kvh, "head_dim": hd, "splits": splits,
             "kernel_ms": t_kernel * 1e3, "kv_gb_per_s": kv_bytes / t_kernel / 1e9, "copy_gb_per_s": copy_bw / 1e9,
-            "share_of_copy": kv_bytes / t_kernel / copy_bw, "max_abs_err_vs_torch_fp32": float((got - ref).abs().max())}
+            "share_of_copy": kv_bytes / t_kernel / copy_bw, "max_abs_err_vs_torch_fp32": float((got - ref).abs().max()),
+            "share_of_copy_by_tile": {str(t): kv_bytes / v / copy_bw for t, v in tiles.items()}}
 
 
 def capture_ladder(batch: int, q: int) -> list[int]:

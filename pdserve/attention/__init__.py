@@ -19,8 +19,8 @@ def _triton_available() -> bool:
     return True
 
 
-def _triton_unfit(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    return dtype not in (torch.float32, torch.bfloat16, torch.float16) or block_size < 16 or head_dim < 16 or \
+def _triton_unfit(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype not in (torch.float32, torch.bfloat16, torch.float16) or head_dim < 16 or \
         bool(head_dim & (head_dim - 1))
 
 
@@ -32,11 +32,11 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int):
     """The backend `name` resolves to, after checking it can run this model: errors name the flag; `auto` takes
     the torch backend for what the Triton one cannot run."""
     resolved = resolve_backend_name(name, device)
-    if resolved == "triton" and name == "auto" and _triton_unfit(dtype, block_size, head_dim):
+    if resolved == "triton" and name == "auto" and _triton_unfit(dtype, head_dim):
         resolved = "torch"
     if resolved == "torch":
         from pdserve.attention.torch_backend import TorchBackend
@@ -49,8 +49,6 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype, block_size
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"--attention-backend triton: dtype {str(dtype).removeprefix('torch.')} is not supported "
                          "(float32, bfloat16, float16); use --attention-backend torch")
-    if block_size < 16:
-        raise ValueError(f"--attention-backend triton needs --block-size >= 16 (its tiles), got {block_size}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"--attention-backend triton needs a power-of-two head_dim >= 16, the model has {head_dim}")
     from pdserve.attention.triton_backend import TritonBackend

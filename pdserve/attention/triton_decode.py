@@ -10,9 +10,11 @@ table in its shape reads only each row's own blocks. Padded rows (position 0, nu
 zeroed null block: finite.
 
 One program per (row, KV head, split) holds the G x q query vectors of the KV head's G query heads (padded to 16
-rows: `tl.dot` tiles of at least 16, which a GPU needs and the interpreter does not check), walks its share of the
-row's blocks with an online softmax, and writes a partial (max, sum, accumulator); a second kernel combines the
-splits. float32 dots ask for IEEE precision, so results match the torch backend to rounding.
+rows), walks its share of the row's context in tiles of keys with an online softmax, and writes a partial (max,
+sum, accumulator); a second kernel combines the splits. A tile's keys find their blocks one by one through the
+table, so a tile may span small blocks or cover part of a large one: any power-of-two block size works. float32
+dots ask for IEEE precision, so results match the torch backend to rounding. `triton_aot.py` compiles the kernels
+for a GPU architecture on any machine: what the interpreter accepts and a GPU compile rejects shows up there.
 """
 from __future__ import annotations
 
@@ -20,12 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+# A loop step's keys: at least 16 (the K dimension of `p @ v`, which a GPU compile rejects below 16 while the
+# interpreter takes any size), at most 64 (a 128-token block of 256-dim fp32 K and V would not fit in shared memory)
+MIN_TILE, MAX_TILE = 16, 64
+
 
 @triton.jit
 def _decode_split(q_ptr, kv_ptr, table_ptr, pos_ptr, part_acc, part_ml, scale,
                   stride_kv_kind, stride_kv_block, stride_kv_tok, stride_kv_head, table_width, num_splits,
                   Q: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+                  TILE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -37,25 +43,26 @@ def _decode_split(q_ptr, kv_ptr, table_ptr, pos_ptr, part_acc, part_ml, scale,
     ctx = tl.load(pos_ptr + row * Q + Q - 1) + 1
     q_off = ((row * Q + qi) * (KVH * G) + h * G + m % G) * D
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=valid_m[:, None], other=0.0)
-    num_blocks = tl.cdiv(ctx, BS)
-    per_split = tl.cdiv(num_blocks, num_splits)
+    num_tiles = tl.cdiv(ctx, TILE)
+    per_split = tl.cdiv(num_tiles, num_splits)
     start = split * per_split
-    end = tl.minimum(start + per_split, num_blocks)
+    end = tl.minimum(start + per_split, num_tiles)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    n = tl.arange(0, BS)
-    for b in range(start, end):
-        blk = tl.load(table_ptr + row * table_width + b)
-        base = kv_ptr + blk * stride_kv_block + h * stride_kv_head
-        kv_off = n[:, None] * stride_kv_tok + d[None, :]
-        k = tl.load(base + kv_off)  # [BS, D]
+    n = tl.arange(0, TILE)
+    base = kv_ptr + h * stride_kv_head
+    for t in range(start, end):
+        j = t * TILE + n  # context indices; a tile spans blocks (BS < TILE) or part of one
+        # keys past the context read the null block (finite; masked below) and never the table past the row
+        blk = tl.load(table_ptr + row * table_width + j // BS, mask=j < ctx, other=0)
+        kv_off = blk[:, None] * stride_kv_block + (j % BS)[:, None] * stride_kv_tok + d[None, :]
+        k = tl.load(base + kv_off)  # [TILE, D]
         v = tl.load(base + stride_kv_kind + kv_off)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             s = tl.dot(q.to(k.dtype), tl.trans(k)).to(tl.float32) * scale
-        j = b * BS + n
         s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with nothing visible yet keep -inf: exp(-inf - -inf) would be NaN
@@ -120,13 +127,15 @@ class DecodeWorkspace:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
-                 scale: float, num_splits: int, workspace: DecodeWorkspace) -> torch.Tensor:
-    """q [rows * qlen, q_heads, dim] -> [rows * qlen, q_heads * dim], as the torch backend's paged_attention."""
+                 scale: float, num_splits: int, workspace: DecodeWorkspace, tile: int = 0) -> torch.Tensor:
+    """q [rows * qlen, q_heads, dim] -> [rows * qlen, q_heads * dim], as the torch backend's paged_attention.
+    `tile`: keys per loop step, a power of two (0: the block size, kept within MIN_TILE..MAX_TILE)."""
     rows, qlen = positions.shape
     _, _, block_size, kv_heads, dim = kv_cache.shape
     q_heads = q.shape[1]
     group = q_heads // kv_heads
     block_m = max(16, triton.next_power_of_2(qlen * group))
+    tile = tile or min(max(block_size, MIN_TILE), MAX_TILE)
     acc, ml = workspace.get(rows, kv_heads, num_splits, block_m, dim)
     out = torch.empty(rows * qlen, q_heads * dim, dtype=q.dtype, device=q.device)
     q = q.contiguous()
@@ -134,6 +143,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     _decode_split[(rows, kv_heads, num_splits)](
         q, kv_cache, table, positions, acc, ml, scale, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), table.stride(0), num_splits, Q=qlen, G=group, KVH=kv_heads, D=dim, BS=block_size,
-        BLOCK_M=block_m, IEEE=q.dtype == torch.float32)
+        TILE=tile, BLOCK_M=block_m, IEEE=q.dtype == torch.float32)
     _combine[(rows, kv_heads)](acc, ml, out, num_splits, Q=qlen, G=group, KVH=kv_heads, D=dim, BLOCK_M=block_m)
     return out

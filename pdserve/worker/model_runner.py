@@ -55,8 +55,7 @@ class ModelRunner:
         if device.type == "cpu":
             self.model.pack_for_cpu()
         d = self.model.dims
-        self.model.attn_backend = make_backend(config.model.attention_backend, device, dtype, self.block_size,
-                                               d.head_dim)
+        self.model.attn_backend = make_backend(config.model.attention_backend, device, dtype, d.head_dim)
         self.kv_caches = self._new_kv(num_blocks)
         self.model.kv_caches = self.kv_caches
         sched, comp = config.scheduler, config.compilation

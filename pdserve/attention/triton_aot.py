@@ -1,8 +1,7 @@
 """The Triton kernels compiled for a GPU architecture without a GPU: Triton's own toolchain (its bundled ptxas)
 turns the kernels into a cubin for, say, sm_90 on any machine, which the interpreter (TRITON_INTERPRET=1) never
-does. That catches what only a GPU compile rejects (a `tl.dot` tile under 16, operand dtypes the tensor cores do
-not take, a precision a dtype does not allow) and reports what decides occupancy: registers, shared memory,
-spills.
+does. That catches what only a GPU compile rejects (seen: a `tl.dot` whose K is under 16, a `break` in a loop;
+the interpreter runs both) and reports what decides occupancy: registers, shared memory, spills.
 
 `compile_launches` replaces the kernels' launches inside `paged_decode` for the duration of a `with` block: each
 launch is specialized through Triton's own argument binder, exactly as the JIT would specialize it on a GPU
@@ -42,12 +41,12 @@ class CompiledLaunch:
     local_bytes: int  # spills land in local memory: 0 means none
 
     def ctas_per_sm(self, limits: dict = SM90) -> int:
-        """Resident blocks per SM from registers, shared memory and threads (register allocation granularity
-        of 256 per warp, as the CUDA occupancy calculator rounds it)."""
+        """Resident blocks per SM from registers, shared memory and threads, rounded as the CUDA occupancy
+        calculator rounds them (registers in 256 per warp; 1 KB of shared memory per block kept by the system)."""
         threads = 32 * self.num_warps
         regs_per_warp = -(-self.registers * 32 // 256) * 256
         by_regs = limits["regs"] // (regs_per_warp * self.num_warps)
-        by_shared = limits["shared"] // max(1, self.shared_bytes)
+        by_shared = limits["shared"] // (self.shared_bytes + 1024)
         return min(by_regs, by_shared, limits["threads"] // threads, limits["ctas"])
 
 
@@ -113,3 +112,10 @@ def compile_decode(dtype, qlen: int, group: int, head_dim: int, block_size: int,
         triton_decode.paged_decode(q, cache, table, positions, head_dim ** -0.5, splits,
                                    triton_decode.DecodeWorkspace(torch.device("cpu")), tile)
     return records
+
+
+if __name__ == "__main__":  # python -m pdserve.attention.triton_aot: the device scripts' shape, K = 0 and 3
+    for q in (1, 4):
+        for r in compile_decode(torch.bfloat16, q, 2, 128, 16, kv_heads=8):
+            print(f"Qwen3-0.6B bf16 q={q} {r.kernel}: {r.registers} registers, {r.shared_bytes} B shared, "
+                  f"{r.local_bytes} B local, ~{r.ctas_per_sm()} blocks per SM (sm_90, estimate)")

@@ -23,10 +23,12 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -69,7 +71,15 @@ def write_model(d: Path, shape: dict, dtype: torch.dtype) -> None:
         for name, size in {"input_layernorm": h, "post_attention_layernorm": h, "self_attn.q_norm": hd,
                            "self_attn.k_norm": hd}.items():
             t[p + name + ".weight"] = torch.ones(size)
-    save_file({k: v.to(dtype).contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
+    # written under another name first: a run killed mid-save must not leave a truncated file later runs would load
+    save_file({k: v.to(dtype).contiguous() for k, v in t.items()}, str(d / "model.safetensors.tmp"))
+    os.replace(d / "model.safetensors.tmp", d / "model.safetensors")
+
+
+def error_text(e: BaseException) -> str:
+    """The traceback with its chained causes: a failed CUDA graph capture raises again on leaving the capture
+    block ("operation not permitted when stream is capturing"), which hides the first error behind it."""
+    return "".join(traceback.format_exception(e))[-3000:]
 
 
 def sync(device: str) -> None:
@@ -134,9 +144,10 @@ class Run:
     """One (backend, mode, rule, K) engine: a scheduler and model runner over one KV pool, the arrival driver."""
 
     def __init__(self, model: Path, device: str, dtype: torch.dtype, backend: str, mode: str, rule: str, k: int,
-                 batch: int, context: int):
+                 batch: int, context: int, steps: int):
         self.device, self.context = device, context
-        max_len = context + 256
+        # room for every step to emit 1 + K tokens: the base batch must not reach max_model_len and thin out
+        max_len = context + (1 + k) * (steps + 2) + 32
         blocks = (batch + 32) * cdiv(max_len, 16) + 1
         kw = {"enforce_eager": True} if mode == "NONE" else \
             {"cudagraph_mode": "PIECEWISE" if mode == "PIECEWISE" else "FULL_AND_PIECEWISE",
@@ -262,7 +273,7 @@ def main() -> None:
         try:
             result["kernel"] = kernel_bandwidth(args.device, dtype, smoke=args.device == "cpu")
         except Exception as e:
-            result["kernel"] = {"error": repr(e)[:500]}
+            result["kernel"] = {"error": error_text(e)}
         print("kernel:", json.dumps(result["kernel"]), flush=True)
         save()
     eager_ref: dict = {}
@@ -280,7 +291,8 @@ def main() -> None:
                             return
                         row = {"backend": backend, "rate": rate, "k": k, "rule": rule, "mode": mode}
                         try:
-                            run = Run(model, args.device, dtype, backend, mode, rule, k, args.batch, args.context)
+                            run = Run(model, args.device, dtype, backend, mode, rule, k, args.batch, args.context,
+                                      args.steps)
                             row.update(scenario(run, args.batch, rate, args.steps, 1, SHAPES[args.shape]
                                                 ["vocab_size"]), capture_s=run.capture_s)
                             key = (backend, rate, k)
@@ -297,7 +309,7 @@ def main() -> None:
                                      for a, b in zip(run.logits, ref_logits)
                                      if a.shape == b.shape), default=None)
                         except Exception as e:  # one failing configuration ends only its row
-                            row["error"] = repr(e)[:500]
+                            row["error"] = error_text(e)
                         finally:  # ~27 GB of KV and graphs per run on the 0.6B shape: free them before the next
                             run = None
                             gc.collect()
@@ -317,7 +329,7 @@ def table(result: dict) -> str:
     for r in result["runs"]:
         if "error" in r:
             lines.append(f"{r['backend']:>7} {r['rate']:>5} {r['k']:>2} {r['rule']:>14} {r['mode']:>9}  "
-                         f"error: {r['error'][:80]}")
+                         f"error: {r['error'].strip().splitlines()[-1][:100]}")
             continue
         check = "" if r["mode"] == "NONE" else f" tokens==eager {r.get('tokens_equal_eager')}"
         lines.append(f"{r['backend']:>7} {r['rate']:>5} {r['k']:>2} {r['rule']:>14} {r['mode']:>9} "

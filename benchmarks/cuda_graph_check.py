@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -105,23 +106,22 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for backend in args.attention_backends.split(","):
         for batch in map(int, args.batches.split(",")):
-            ref = None
+            eager = None  # NONE runs first: the reference of the other two, None if it failed
             for mode in ("NONE", "PIECEWISE", "FULL"):
+                row = {"backend": backend, "batch": batch, "mode": mode}
                 try:
                     tokens, ms, stats = run(model, mode, batch, args.steps, args.device, backend)
+                    if mode == "NONE":
+                        eager = tokens
+                    row.update(median_decode_step_ms=ms, graph_steps=stats["steps"], captured=stats["captured"])
+                    if mode != "NONE" and eager is not None:
+                        row["tokens_equal_eager"] = tokens == eager
                 except Exception as e:  # one backend failing (e.g. a kernel that does not compile) ends only its rows
-                    row = {"backend": backend, "batch": batch, "mode": mode, "error": repr(e)[:500]}
-                    result["runs"].append(row)
-                    print(json.dumps(row), flush=True)
-                    continue
-                same = ref is None or tokens == ref
-                ref = ref or tokens
-                row = {"backend": backend, "batch": batch, "mode": mode, "median_decode_step_ms": ms,
-                       "tokens_equal_eager": same, "graph_steps": stats["steps"], "captured": stats["captured"]}
+                    # the whole chain: a failed capture raises again on leaving the capture block
+                    row["error"] = "".join(traceback.format_exception(e))[-3000:]
                 result["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # partial results as it goes
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Everything a session lent a GPU runs, in one call, under 8 minutes (the device time is 15 minutes a session, the
+# Everything a session lent a GPU runs, in one call, under 9 minutes (the device time is 15 minutes a session, the
 # machine's start included; this leaves room to rerun one piece):
 #
 #     bash benchmarks/gpu_session.sh "$OUT"        # on the GPU machine (torch, triton, safetensors, pytest there)
 #
 # 1. the machine: GPU, driver, torch, triton (env.txt)
-# 2. the CUDA tests, which skip on CPU: FULL and PIECEWISE replays give eager's tokens, the KV sizing (pytest.log)
+# 2. the CUDA tests, which skip on CPU: FULL and PIECEWISE replays give eager's tokens, the KV sizing (pytest.log;
+#    building the tiny models comes first)
 # 3. the session-2 check: capture, FULL vs eager tokens, step times per mode, torch then triton (cgc.json, cgc.log)
 # 4. the issue-13 device script: kernel bandwidth against the copy, arrivals x rule x K x backend x mode
 #    (cdb.json, cdb.log); it writes partial JSON after every run, so a timeout still leaves results
@@ -22,7 +23,7 @@ PY=${PYTHON:-python3}
 { date; nvidia-smi; $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
 echo "== env: rc $?"
-timeout 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py >"$OUT/pytest.log" 2>&1
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py >"$OUT/pytest.log" 2>&1
 echo "== cuda tests: rc $?"; tail -3 "$OUT/pytest.log"
 timeout 150 $PY benchmarks/cuda_graph_check.py --out "$OUT/cgc.json" >"$OUT/cgc.log" 2>&1
 echo "== cuda_graph_check: rc $?"; tail -5 "$OUT/cgc.log"

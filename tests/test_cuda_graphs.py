@@ -52,6 +52,8 @@ def test_kv_cache_sized_after_graph_memory(qwen3_tiny):
     assert e.runner.full_graphs.graphs and e.runner.piecewise.graphs
     assert e.num_blocks - 1 < seqs * max_len // 16, "the max_num_seqs cap bound: the budget was not tested"
     free_after, _ = torch.cuda.mem_get_info()
-    assert total - free_after <= util * total + 64 * 2 ** 20  # within the budget, allocator rounding aside
+    over = total - free_after - util * total
+    assert over <= 64 * 2 ** 20, f"{over / 2 ** 20:.0f} MiB over the budget (instantiated graphs, lazily loaded " \
+        "kernels and pool fragmentation are outside the probe)"
     out = llm.generate([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

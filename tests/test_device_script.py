@@ -1,6 +1,8 @@
 """The GPU device script (benchmarks/cuda_decode_bench.py) smoke-tested on the CPU with the torch backend and a tiny
 shape, so the next session lent a GPU can run it as it is: strict leaves FULL on every replay step, decode-shaped
-never does (K = 0 and 3), FULL and PIECEWISE tokens equal eager's, and no block outside the requests' ones is written."""
+never does (K = 0 and 3), FULL and PIECEWISE tokens equal eager's, and no block outside the requests' ones is written.
+Both this and the CUDA tests' engine flow run with the packages the GPU machine lacks made unimportable (its image
+has torch, triton, transformers, tokenizers, safetensors, pytest, httpx; no server packages)."""
 from __future__ import annotations
 
 import json
@@ -9,12 +11,28 @@ import sys
 
 from tests.server_harness import REPO
 
+# a meta-path finder that refuses the server-only packages, then runs the rest of argv as a script or code
+BLOCKED = ("cryptography", "fastapi", "uvicorn", "starlette", "pydantic", "nixl", "openai", "vllm_router")
+_PRELUDE = f"""
+import importlib.abc, runpy, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not on the GPU machine)")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_without_server_packages(code: str, timeout: float):
+    return subprocess.run([sys.executable, "-c", _PRELUDE + code], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
 
 def test_device_script_smoke_on_cpu(tmp_path):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "benchmarks/cuda_decode_bench.py", "--device", "cpu", "--shape", "tiny",
-                        "--backends", "torch", "--batch", "3", "--context", "48", "--rates", "0.5", "--steps", "10",
-                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    argv = ["benchmarks/cuda_decode_bench.py", "--device", "cpu", "--shape", "tiny", "--backends", "torch",
+            "--batch", "3", "--context", "48", "--rates", "0.5", "--steps", "10", "--out", str(out)]
+    p = run_without_server_packages(f"sys.argv = {argv!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')", 120)
     assert p.returncode == 0, p.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 8 and not any("error" in r for r in runs), runs
@@ -26,3 +44,21 @@ def test_device_script_smoke_on_cpu(tmp_path):
             assert (r["non_full_share"] > 0) == (r["rule"] == "strict"), r
         if r["mode"] == "PIECEWISE":
             assert r["non_full_share"] == 1.0, r
+
+
+def test_cuda_tests_engine_flow_needs_no_server_package(qwen3_tiny):
+    """tests/test_cuda_graphs.py's engine (the arrival driver's DecodeBenchConnector), on the CPU."""
+    p = run_without_server_packages(f"""
+from pdserve import LLM, SamplingParams
+llm = LLM({qwen3_tiny!r}, max_model_len=96, max_num_seqs=4, kv_cache_memory_gb=0.05,
+          kv_transfer_config={{"kv_connector": "DecodeBenchConnector", "kv_role": "kv_consumer"}})
+e = llm.engine
+e.add_prefilled_request([3 + j for j in range(21)], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+while e.has_unfinished_requests():
+    e.step()
+e.check_invariants()
+assert "cryptography" not in sys.modules
+print(e.graph_stats()["full_steps"])
+""", 120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert int(p.stdout.split()[-1]) > 0

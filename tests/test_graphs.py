@@ -224,3 +224,15 @@ def test_width_groups_merge_equal_widths_and_keep_distinct_ones():
     assert width_groups([3, 3, 5, 5, 5], round_to=4) == ((0, 2, 4), (2, 5, 8))
     assert width_groups([1, 1, 30, 40], max_width=32) == ((0, 2, 1), (2, 3, 30), (3, 4, 32))
     assert width_groups([17]) == ((0, 1, 17),)
+
+
+def test_non_full_reasons_add_up_across_modes():
+    """A prefill that rides PIECEWISE and one over the largest capture size that runs eagerly share a reason."""
+    from pdserve.worker.graph_metrics import GraphStats
+    stats = GraphStats("cpu", captured=False)
+    for mode, reason in [("PIECEWISE", "prefill"), ("PIECEWISE", "prefill"), ("NONE", "prefill"),
+                         ("NONE", "eager_forced"), ("FULL", None)]:
+        stats.record(mode, 8, 8, 2, reason)
+    snap = stats.snapshot()
+    assert snap["non_full_by_reason"] == {"prefill": 3, "eager_forced": 1}
+    assert sum(snap["non_full_by_reason"].values()) == snap["non_full_steps"] == 4

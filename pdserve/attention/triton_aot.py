@@ -39,6 +39,7 @@ class CompiledLaunch:
     registers: int
     shared_bytes: int
     local_bytes: int  # spills land in local memory: 0 means none
+    key: str  # the compiled variant: launches with equal keys share one compile
 
     def ctas_per_sm(self, limits: dict = SM90) -> int:
         """Resident blocks per SM from registers, shared memory and threads, rounded as the CUDA occupancy
@@ -63,8 +64,9 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 
 class _Compiler:
     def __init__(self, name: str, target: GPUTarget, records: list[CompiledLaunch]):
-        # under TRITON_INTERPRET=1 the module holds an interpreted function: compile its Python source afresh
-        self.fn = JITFunction(getattr(triton_decode, name).fn)
+        # under TRITON_INTERPRET=1 the module holds an interpreted function: rebuild the JIT one, same decorator
+        kernel = getattr(triton_decode, name)
+        self.fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
         self.name, self.target, self.records = name, target, records
         self.backend = make_backend(target)
 
@@ -80,7 +82,7 @@ class _Compiler:
             names = {(i,): p.name for i, p in enumerate(fn.params)}
             self.records.append(CompiledLaunch(
                 self.name, {names[k]: v for k, v in constexprs.items()}, tuple(grid), compiled.metadata.num_warps,
-                regs, compiled.metadata.shared, local))
+                regs, compiled.metadata.shared, local, compiled.metadata.hash))
         return launch
 
 

@@ -27,7 +27,10 @@ import triton.language as tl
 MIN_TILE, MAX_TILE = 16, 64
 
 
-@triton.jit
+# Triton compiles a variant per integer equal to 1 or divisible by 16 and per pointer alignment. The split count,
+# the table width and the group slices' offsets vary from step to step in eager and PIECEWISE steps, so each new
+# combination would compile mid-run: they are not specialized (their loads are scalar, nothing to vectorize).
+@triton.jit(do_not_specialize=["table_width", "num_splits"], do_not_specialize_on_alignment=["table_ptr", "pos_ptr"])
 def _decode_split(q_ptr, kv_ptr, table_ptr, pos_ptr, part_acc, part_ml, scale,
                   stride_kv_kind, stride_kv_block, stride_kv_tok, stride_kv_head, table_width, num_splits,
                   Q: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -80,7 +83,7 @@ def _decode_split(q_ptr, kv_ptr, table_ptr, pos_ptr, part_acc, part_ml, scale,
     tl.store(part_ml + out * 2 + 1, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine(part_acc, part_ml, o_ptr, num_splits, Q: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr,
              D: tl.constexpr, BLOCK_M: tl.constexpr):
     row = tl.program_id(0)

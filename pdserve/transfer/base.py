@@ -108,12 +108,12 @@ def register_connector(name: str):
 
 
 def make_connector(config, engine) -> Optional[KVConnector]:
-    if config is None:
+    # the arrival driver works through LLMEngine.add_prefilled_request: nothing to connect, and nothing imported,
+    # since the transfer modules need server packages (cryptography) that a GPU benchmark machine may lack
+    if config is None or config.kv_connector == "DecodeBenchConnector":
         return None
     if not {config.kv_connector, *(c.kv_connector for c in config.connectors)} <= CONNECTORS.keys():
         import pdserve.transfer.tcp  # noqa: F401  (registers TcpConnector)
         import pdserve.transfer.multi  # noqa: F401
         import pdserve.transfer.nixl  # noqa: F401  (imports no nixl: NixlConnector checks for it when made)
-    if config.kv_connector == "DecodeBenchConnector":
-        return None  # the arrival driver works through LLMEngine.add_prefilled_request, nothing to connect
     return CONNECTORS[config.kv_connector](config, engine)

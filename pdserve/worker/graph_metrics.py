@@ -41,10 +41,14 @@ class GraphStats:
             steps = dict(self.steps)
             full = sum(n for (m, _), n in steps.items() if m == "FULL")
             total = sum(steps.values())
+            by_reason: Counter = Counter()  # a reason seen under two modes (PIECEWISE and NONE) counts both
+            for (m, r), n in steps.items():
+                if m != "FULL":
+                    by_reason[r] += n
             return {"device": self.device, "captured": self.captured, "total_steps": total, "full_steps": full,
                     "non_full_steps": total - full, "padded_tokens": self.padded_tokens,
                     "steps": {f"{m}/{r}": n for (m, r), n in sorted(steps.items())},
-                    "non_full_by_reason": dict(Counter({r: n for (m, r), n in steps.items() if m != "FULL"}))}
+                    "non_full_by_reason": dict(by_reason)}
 
     def table(self) -> str:
         with self._lock:

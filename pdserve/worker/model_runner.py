@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -96,6 +95,9 @@ class ModelRunner:
             if self.piecewise is not None:
                 self.piecewise.capture([dsc.num_tokens for dsc in self.dispatcher.piecewise_descriptors()], pool,
                                        stream, progress)
+            # the warm-ups' temporaries stay cached on the capture stream, where no step can reuse them; the
+            # live graphs hold their pool, which this leaves alone (the KV sizing counted both, so this only frees)
+            torch.cuda.empty_cache()
             self.graph_stats.captured = self._any_graphs()
 
     def _any_graphs(self) -> bool:

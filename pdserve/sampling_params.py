@@ -80,6 +80,8 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         self.seed = _int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:  # vLLM's bound: torch seeds are 64-bit
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
 
         self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:

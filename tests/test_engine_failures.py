@@ -84,3 +84,14 @@ def test_an_import_whose_prefill_raises_leaves_nothing(qwen3_tiny):
         e.add_prefilled_request(list(range(30, 47)), GREEDY, request_id="imp")
     assert "imp" not in e.scheduler.requests
     whole(e)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_before_any_step(qwen3_tiny):
+    """With min_tokens the stop ids index the logits (the ban): out of range, that failed the whole step."""
+    llm = LLM(qwen3_tiny, block_size=4, max_model_len=53)
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids: token id {vocab} is outside"):
+        llm.generate(["hi"], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[1, vocab]), use_tqdm=False)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[vocab - 1]), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.engine.check_invariants()

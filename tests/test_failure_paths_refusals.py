@@ -2,6 +2,8 @@
 engine never sees it, and the server goes on serving with its KV pool whole. In process (TestClient)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.test_failure_paths_serving import BODY, pool_whole, server
@@ -34,3 +36,20 @@ def test_bad_input_is_a_clear_400(client, kind, fields, why):
     pool_whole(client)
     r = client.post("/v1/completions", json=BODY)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+
+
+def test_serve_refuses_a_model_whose_generation_config_is_invalid(qwen3_tiny, tmp_path):
+    """The model's defaults apply to every request that does not set them: a bad one is the deployment's mistake,
+    refused at start-up naming the file, not a 400 blaming each client's top_p. (A subprocess with a timeout: a
+    server that did start would otherwise serve on.)"""
+    import shutil
+    import subprocess
+    import sys
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_tiny, model)
+    cfg = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**cfg, "top_p": 0.0}))
+    p = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", str(model), "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "pdserve serve: error:" in p.stderr and "generation_config.json" in p.stderr and "top_p" in p.stderr

@@ -328,6 +328,19 @@ ERROR_CASES = [
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tool"],
      "tools"),
     ("oversized-body", "/v1/completions", {"prompt": "x" * 70000}, 413, ["65536"], None),
+    # each of these below failed the whole engine step (and every request in it) or answered 500
+    ("seed-over-64-bit", "/v1/completions", {"prompt": "x", "seed": 2 ** 64}, 400, ["seed", "64-bit"], "seed"),
+    ("seed-under-64-bit", "/v1/completions", {"prompt": "x", "seed": -2 ** 63 - 1}, 400, ["seed"], "seed"),
+    ("stop-id-out-of-vocab", "/v1/completions", {"prompt": "x", "stop_token_ids": [100000], "min_tokens": 2}, 400,
+     ["100000", "vocabulary"], "stop_token_ids"),
+    ("stop-id-huge", "/v1/completions", {"prompt": "x", "stop_token_ids": [2 ** 70]}, 400, ["vocabulary"],
+     "stop_token_ids"),
+    ("lone-surrogate-prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, ["surrogate"], None),
+    ("lone-surrogate-model", "/v1/completions", b'{"prompt": "a", "model": "\\udfff"}', 400, ["surrogate"], None),
+    ("lone-surrogate-chat", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, ["surrogate"], None),
+    ("deeply-nested", "/v1/completions", b'{"prompt": "x", "x": ' + b"[" * 30000 + b"]" * 30000 + b"}", 400,
+     ["nested"], None),
 ]
 
 

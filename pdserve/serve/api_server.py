@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import pdserve
+from pdserve.sampling_params import SamplingParams
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError, install_error_handlers
 from pdserve.serve.kv_routes import add_kv_routes
@@ -46,6 +47,10 @@ class ServerState:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)  # the server's own: never the engine's
         gen_path = Path(self.model_dir) / "generation_config.json"
         self.generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        try:  # the model's defaults apply to every request: a bad one is the deployment's, refused at start-up
+            SamplingParams.from_generation_config(self.generation_config)
+        except ValueError as e:
+            raise ValueError(f"{gen_path}: the model's default sampling parameters are invalid: {e}") from None
         self.metrics = ServerMetrics(self.names[0])
         self.engine = AsyncEngine(engine_config, cfg.engine_backend, cfg.max_waiting, self.metrics, cfg.log_level)
         self.serving: Optional[OpenAIServing] = None

@@ -112,6 +112,12 @@ def parse_json_body(body: bytes) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): no tokenizer or response encoder takes one
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("request body is not valid unicode: it holds a lone UTF-16 surrogate") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     return data
@@ -219,11 +225,13 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
     explicit["logprobs"] = logprobs
     explicit["output_kind"] = RequestOutputKind.DELTA  # the server relays deltas only: no per-step copies of the past
     try:
-        return SamplingParams.from_generation_config(info.generation_config, **explicit)
+        params = SamplingParams.from_generation_config(info.generation_config, **explicit)
     except ValueError as e:
         msg = str(e)
         word = msg.split(" ", 1)[0]
         raise bad_request(msg, word if word in _SAMPLING_NAMES else None) from None
+    _check_token_ids(params.stop_token_ids, info, "stop_token_ids")
+    return params
 
 
 def _check_context(n_prompt: int, params: SamplingParams, info: ModelInfo, max_tokens_name: str) -> None:

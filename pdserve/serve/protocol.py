@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -107,6 +108,9 @@ class GenerationRequest:
     kv_transfer_params: Optional[dict] = None
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json_body(body: bytes) -> dict:
     try:
         data = json.loads(body)
@@ -114,10 +118,13 @@ def parse_json_body(body: bytes) -> dict:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise bad_request("request body is not valid JSON: nested too deeply") from None
-    try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): no tokenizer or response encoder takes one
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request("request body is not valid unicode: it holds a lone UTF-16 surrogate") from None
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no tokenizer or response encoder takes; only a
+    # body holding a surrogate escape (pairs too) pays for the check
+    if _SURROGATE_ESCAPE.search(body):
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("request body is not valid unicode: it holds a lone UTF-16 surrogate") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     return data

@@ -14,7 +14,6 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from pdserve.core.scheduler import Scheduler  # noqa: E402
 from pdserve.request import Request  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.worker.model_runner import ModelRunner  # noqa: E402
+from cuda_decode_bench import error_text  # noqa: E402  (the script beside this one)
 
 SMALL = dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
              head_dim=64, intermediate_size=3072, rms_norm_eps=1e-6, max_position_embeddings=4096,
@@ -117,8 +117,7 @@ def main() -> None:
                     if mode != "NONE" and eager is not None:
                         row["tokens_equal_eager"] = tokens == eager
                 except Exception as e:  # one backend failing (e.g. a kernel that does not compile) ends only its rows
-                    # the whole chain: a failed capture raises again on leaving the capture block
-                    row["error"] = "".join(traceback.format_exception(e))[-3000:]
+                    row["error"] = error_text(e)
                 result["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # partial results as it goes

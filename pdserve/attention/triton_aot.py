@@ -69,12 +69,12 @@ class _Compiler:
         self.fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
         self.name, self.target, self.records = name, target, records
         self.backend = make_backend(target)
+        self.binder = create_function_from_signature(self.fn.signature, self.fn.params, self.backend)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             fn, backend = self.fn, self.backend
-            binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound, specialization, options = binder(*args, **kwargs)
+            bound, specialization, options = self.binder(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
                                       options=options.__dict__)

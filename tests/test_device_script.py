@@ -62,3 +62,29 @@ print(e.graph_stats()["full_steps"])
 """, 120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert int(p.stdout.split()[-1]) > 0
+
+
+def test_gpu_session_runs_the_steps_it_is_given(tmp_path):
+    """benchmarks/gpu_session.sh with a stand-in python that logs its argv: all three steps by default, only the
+    named ones on a rerun (with their extra flags), and an unknown step refused before anything runs."""
+    log = tmp_path / "argv.log"
+    fake = tmp_path / "py"
+    fake.write_text(f"#!/bin/bash\necho \"$*\" | tr '\\n' ' ' >> {log}; echo >> {log}\n")  # one line a call
+    fake.chmod(0o755)
+    script = str(REPO / "benchmarks" / "gpu_session.sh")
+
+    def run(*args, **env):
+        log.write_text("")
+        p = subprocess.run(["bash", script, str(tmp_path / "out"), *args], capture_output=True, text=True,
+                           timeout=30, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), **env})
+        return p, [line.split()[0] if line.split()[0] != "-m" else line.split()[1]
+                   for line in log.read_text().splitlines()[1:]]  # the first call is env.txt's version line
+
+    p, calls = run()
+    assert p.returncode == 0 and calls == ["pytest", "benchmarks/cuda_graph_check.py",
+                                           "benchmarks/cuda_decode_bench.py"], (p.stderr, calls)
+    p, calls = run("cdb", CDB_ARGS="--backends triton --steps 20")
+    assert p.returncode == 0 and calls == ["benchmarks/cuda_decode_bench.py"], (p.stderr, calls)
+    assert log.read_text().splitlines()[-1].rstrip().endswith("--backends triton --steps 20")
+    p, calls = run("cgc", "bogus")
+    assert p.returncode == 2 and "unknown step 'bogus'" in p.stderr and not log.read_text()

@@ -7,7 +7,8 @@ the interpreter runs both) and reports what decides occupancy: registers, shared
 launch is specialized through Triton's own argument binder, exactly as the JIT would specialize it on a GPU
 (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16), compiled for the target, and recorded; no
 kernel runs, so the output is left unwritten. Written against triton 3.6 (the test extra's pin): the binder is
-not public API.
+not public API. It needs a process where TRITON_INTERPRET was unset when triton was imported: with it set,
+triton.language's own @jit helpers (tl.cdiv, tl.max) are interpreted functions, which a compile cannot call.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 
 class _Compiler:
     def __init__(self, name: str, target: GPUTarget, records: list[CompiledLaunch]):
-        # under TRITON_INTERPRET=1 the module holds an interpreted function: rebuild the JIT one, same decorator
+        # TRITON_INTERPRET=1 set after triton's import and before the kernels': rebuild the JIT one, same decorator
         kernel = getattr(triton_decode, name)
         self.fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
         self.name, self.target, self.records = name, target, records
@@ -90,6 +91,9 @@ class _Compiler:
 def compile_launches(target: GPUTarget = GPUTarget("cuda", 90, 32)):
     """Within the block, `paged_decode` compiles its kernels for `target` instead of running them; yields the
     list of CompiledLaunch records, one per launch."""
+    if not isinstance(triton.language.cdiv, JITFunction):
+        raise RuntimeError("triton was imported under TRITON_INTERPRET=1, so triton.language's helpers are "
+                           "interpreted and cannot be compiled; compile in a process without it")
     records: list[CompiledLaunch] = []
     saved = {name: getattr(triton_decode, name) for name in KERNELS}
     try:

@@ -18,8 +18,9 @@ def _is_int(x: Any) -> bool:
 
 
 def _float(name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
-        raise ValueError(f"{name} must be a number, got {x!r}")
+    # Python's json reads Infinity: an infinite temperature would sample from NaN
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
 
 

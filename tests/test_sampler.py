@@ -205,3 +205,22 @@ def test_host_argmax_matches_torch():
         x[4, ::2] = float("-inf")
         assert torch.equal(argmax(x), x.argmax(-1))
         assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(-1))
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_huge_temperature_keeps_the_min_tokens_ban(device_path, dtype):
+    """A finite temperature whose inverse underflows (1e300 in float32 and float64 logits) still samples only
+    allowed tokens: the banned EOS and stop ids stay out (before, -inf x 0 = NaN let the draw take them), and the
+    rest come out about uniform, T's limit."""
+    n = 400
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1e300, min_tokens=5, stop_token_ids=[7], seed=i,
+                                                 max_tokens=9), frozenset({3})) for i in range(n)]
+    logits = torch.randn(n, V, generator=torch.Generator().manual_seed(0), dtype=dtype) * 4
+    logits[:, 3] = logits[:, 7] = 30.0  # the banned tokens would win any draw that saw them
+    banned = logits.clone()
+    banned[:, [3, 7]] = float("-inf")  # as the sampler's min_tokens ban leaves them
+    e = filtered_probs(banned, reqs, device_path=device_path)
+    assert not e.isnan().any() and (e[:, [3, 7]] == 0).all() and (e[:, :3] > 0).all()
+    tokens, _ = Sampler(torch.device("cpu"), 0)(logits, reqs)
+    assert not {3, 7} & set(tokens) and len(set(tokens)) > V // 2

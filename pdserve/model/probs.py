@@ -14,6 +14,7 @@ import torch
 
 CDF_CHUNK = 128
 TOP_CANDIDATES = 64
+_MIN_INV_T = float(np.finfo(np.float32).tiny)
 
 
 def _on_host(x: torch.Tensor) -> bool:
@@ -30,7 +31,9 @@ def filtered_probs(logits: torch.Tensor, reqs: list, device_path: bool = False) 
     (tests)."""
     sps = [r.sampling_params for r in reqs]
     vocab = logits.shape[-1]
-    inv_t = [1.0 / sp.temperature for sp in sps]
+    # 1/T kept a normal float32: one that underflows to 0 makes a banned token's -inf x 0 = NaN, which the draw
+    # could take; at the floor every allowed token rounds to the same value, T's limit (uniform over them)
+    inv_t = [max(1.0 / sp.temperature, _MIN_INV_T) for sp in sps]
     rows = [i for i, sp in enumerate(sps) if 0 < sp.top_k < vocab or sp.top_p < 1.0]
     ks = [sps[i].top_k if 0 < sps[i].top_k < vocab else vocab for i in rows]
     tps = [sps[i].top_p for i in rows]

@@ -271,6 +271,8 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
         use_mct = req.max_completion_tokens is not None
         max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
         mt_name = "max_completion_tokens" if use_mct else "max_tokens"
+        if req.top_logprobs and not req.logprobs:  # as vLLM: top_logprobs alone asks for nothing
+            raise bad_request("top_logprobs: only allowed when logprobs is true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)

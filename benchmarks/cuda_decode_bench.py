@@ -87,6 +87,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# (tile, num_warps, num_stages) timed beside the default launch: tiles at Triton's defaults, then warps and stages
+LAUNCHES = [(32, 4, 3), (64, 4, 3), (16, 8, 3), (32, 8, 3), (64, 8, 3), (16, 4, 2), (16, 4, 4), (32, 4, 4)]
+
+
 def kernel_bandwidth(device: str, dtype: torch.dtype, smoke: bool) -> dict:
     """The Triton decode kernel alone against a device copy (bytes moved per second)."""
     from pdserve.attention.triton_decode import DecodeWorkspace, paged_decode
@@ -123,13 +127,20 @@ def kernel_bandwidth(device: str, dtype: torch.dtype, smoke: bool) -> dict:
     dst = torch.empty_like(src)
     t_copy = timed(lambda: dst.copy_(src), reps)
     copy_bw = 2 * src.numel() * src.element_size() / t_copy  # read + write
-    # keys per loop step (the default is the block size): the first GPU run says whether a larger tile pays
-    tiles = {t: timed(lambda: paged_decode(q, cache, table, positions, hd ** -0.5, splits, ws, t), reps)
-             for t in (32, 64)}
+    # the first GPU run says whether another launch than the default (the block size's tile, 4 warps, 3 stages)
+    # pays: keys per loop step, warps, pipeline stages (LAUNCHES; each compiles once, a second or two)
+    launches = {}
+    for tile, warps, stages in LAUNCHES:
+        try:
+            t = timed(lambda: paged_decode(q, cache, table, positions, hd ** -0.5, splits, ws, tile, warps, stages),
+                      reps)
+            launches[f"tile{tile}_w{warps}_s{stages}"] = kv_bytes / t / copy_bw
+        except Exception as e:  # e.g. out of shared memory for a deep pipeline: the others still count
+            launches[f"tile{tile}_w{warps}_s{stages}"] = error_text(e).splitlines()[-1]
     return {"rows": rows, "context": ctx, "kv_heads": kvh, "head_dim": hd, "splits": splits,
             "kernel_ms": t_kernel * 1e3, "kv_gb_per_s": kv_bytes / t_kernel / 1e9, "copy_gb_per_s": copy_bw / 1e9,
             "share_of_copy": kv_bytes / t_kernel / copy_bw, "max_abs_err_vs_torch_fp32": float((got - ref).abs().max()),
-            "share_of_copy_by_tile": {str(t): kv_bytes / v / copy_bw for t, v in tiles.items()}}
+            "share_of_copy_by_launch": launches}
 
 
 def capture_ladder(batch: int, q: int) -> list[int]:
@@ -284,41 +295,40 @@ def main() -> None:
                 # eager first (it ignores the rule: one per backend, rate and K), the reference of the FULL runs
                 for rule, mode in (("decode-shaped", "NONE"), ("strict", "FULL"), ("decode-shaped", "FULL"),
                                    ("decode-shaped", "PIECEWISE")):
-                    if True:
-                        if time.monotonic() - t_start > args.time_limit:
-                            print("time limit reached: partial results", flush=True)
-                            save()
-                            return
-                        row = {"backend": backend, "rate": rate, "k": k, "rule": rule, "mode": mode}
-                        try:
-                            run = Run(model, args.device, dtype, backend, mode, rule, k, args.batch, args.context,
-                                      args.steps)
-                            row.update(scenario(run, args.batch, rate, args.steps, 1, SHAPES[args.shape]
-                                                ["vocab_size"]), capture_s=run.capture_s)
-                            key = (backend, rate, k)
-                            if mode == "NONE":
-                                eager_ref[key] = (row["tokens"], [x.cpu() for x in run.logits])
-                            elif key in eager_ref:
-                                # informational: eager and FULL group rows (and split the context) differently,
-                                # so in bf16 a near-tie can flip a greedy token without any bug
-                                ref_tokens, ref_logits = eager_ref[key]
-                                row["tokens_equal_eager"] = row["tokens"] == ref_tokens
-                                row["first_divergence_step"] = first_divergence(row["tokens"], ref_tokens)
-                                row["max_logit_diff_vs_eager"] = max(
-                                    (float((a.float().cpu() - b.float()).abs().max())
-                                     for a, b in zip(run.logits, ref_logits)
-                                     if a.shape == b.shape), default=None)
-                        except Exception as e:  # one failing configuration ends only its row
-                            row["error"] = error_text(e)
-                        finally:  # ~27 GB of KV and graphs per run on the 0.6B shape: free them before the next
-                            run = None
-                            gc.collect()
-                            if args.device == "cuda":
-                                torch.cuda.empty_cache()
-                        row.pop("tokens", None)
-                        result["runs"].append(row)
-                        print(json.dumps(row), flush=True)
+                    if time.monotonic() - t_start > args.time_limit:
+                        print("time limit reached: partial results", flush=True)
                         save()
+                        return
+                    row = {"backend": backend, "rate": rate, "k": k, "rule": rule, "mode": mode}
+                    try:
+                        run = Run(model, args.device, dtype, backend, mode, rule, k, args.batch, args.context,
+                                  args.steps)
+                        row.update(scenario(run, args.batch, rate, args.steps, 1, SHAPES[args.shape]
+                                            ["vocab_size"]), capture_s=run.capture_s)
+                        key = (backend, rate, k)
+                        if mode == "NONE":
+                            eager_ref[key] = (row["tokens"], [x.cpu() for x in run.logits])
+                        elif key in eager_ref:
+                            # informational: eager and FULL group rows (and split the context) differently,
+                            # so in bf16 a near-tie can flip a greedy token without any bug
+                            ref_tokens, ref_logits = eager_ref[key]
+                            row["tokens_equal_eager"] = row["tokens"] == ref_tokens
+                            row["first_divergence_step"] = first_divergence(row["tokens"], ref_tokens)
+                            row["max_logit_diff_vs_eager"] = max(
+                                (float((a.float().cpu() - b.float()).abs().max())
+                                 for a, b in zip(run.logits, ref_logits)
+                                 if a.shape == b.shape), default=None)
+                    except Exception as e:  # one failing configuration ends only its row
+                        row["error"] = error_text(e)
+                    finally:  # ~27 GB of KV and graphs per run on the 0.6B shape: free them before the next
+                        run = None
+                        gc.collect()
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()
+                    row.pop("tokens", None)
+                    result["runs"].append(row)
+                    print(json.dumps(row), flush=True)
+                    save()
     save()
     print(table(result))
 

@@ -40,10 +40,16 @@ import dataclasses, json, sys, torch
 from pdserve.attention import triton_aot as aot
 from pdserve.attention.triton_decode import DecodeWorkspace, paged_decode
 cases, slices = json.loads(sys.argv[1])
-out = {"cases": [], "slice_keys": []}
+sys.path.insert(0, "benchmarks")
+from cuda_decode_bench import LAUNCHES
+out = {"cases": [], "slice_keys": [], "launches": []}
+def records(dtype, *shape, **launch):
+    return [dict(dataclasses.asdict(r), ctas_per_sm=r.ctas_per_sm())
+            for r in aot.compile_decode(getattr(torch, dtype), *shape, **launch)]
 for dtype, *shape in cases:
-    out["cases"].append([dict(dataclasses.asdict(r), ctas_per_sm=r.ctas_per_sm())
-                         for r in aot.compile_decode(getattr(torch, dtype), *shape)])
+    out["cases"].append(records(dtype, *shape))
+for tile, warps, stages in LAUNCHES:  # what the device script times beside the default, on its shape
+    out["launches"].append(records(*cases[0], tile=tile, num_warps=warps, num_stages=stages)[0])
 for splits, width, first_row in slices:
     rows = 4
     q = torch.zeros(rows, 16, 128, dtype=torch.bfloat16)
@@ -86,3 +92,15 @@ def test_one_variant_per_shape_whatever_the_splits_widths_and_slices(compiled):
     step."""
     keys = {tuple(k) for k in compiled["slice_keys"]}
     assert len(compiled["slice_keys"]) == 2 * len(SLICES) and len(keys) == 2, keys
+
+
+def test_the_launches_the_device_script_times_compile_and_fit(compiled):
+    """cuda_decode_bench.py times other tiles, warp counts and pipeline depths beside the default: each compiles
+    for sm_90 without spills and within shared memory, so none wastes the GPU run on an error."""
+    from pdserve.attention.triton_aot import SM90
+    assert len(compiled["launches"]) >= 8
+    for r in compiled["launches"]:
+        assert r["local_bytes"] == 0 and r["shared_bytes"] <= SM90["shared_per_cta"], r
+    assert len({r["key"] for r in compiled["launches"]}) == len(compiled["launches"])  # stages count too
+    assert {r["num_warps"] for r in compiled["launches"]} == {4, 8}
+    assert {r["constexprs"]["TILE"] for r in compiled["launches"]} == {16, 32, 64}

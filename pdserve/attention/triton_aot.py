@@ -107,7 +107,7 @@ def compile_launches(target: GPUTarget = GPUTarget("cuda", 90, 32)):
 
 def compile_decode(dtype, qlen: int, group: int, head_dim: int, block_size: int, kv_heads: int = 2, rows: int = 4,
                    width: int = 6, splits: int = 2, target: GPUTarget = GPUTarget("cuda", 90, 32),
-                   tile: int = 0) -> list[CompiledLaunch]:
+                   tile: int = 0, num_warps: int = 4, num_stages: int = 3) -> list[CompiledLaunch]:
     """Compile the launches one `paged_decode` call makes for this shape (placeholder CPU tensors of the engine's
     dtypes and layouts; their contents are never read)."""
     q = torch.zeros(rows * qlen, kv_heads * group, head_dim, dtype=dtype)
@@ -116,7 +116,7 @@ def compile_decode(dtype, qlen: int, group: int, head_dim: int, block_size: int,
     positions = torch.zeros(rows, qlen, dtype=torch.long)
     with compile_launches(target) as records:
         triton_decode.paged_decode(q, cache, table, positions, head_dim ** -0.5, splits,
-                                   triton_decode.DecodeWorkspace(torch.device("cpu")), tile)
+                                   triton_decode.DecodeWorkspace(torch.device("cpu")), tile, num_warps, num_stages)
     return records
 
 

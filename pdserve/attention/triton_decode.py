@@ -130,9 +130,11 @@ class DecodeWorkspace:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
-                 scale: float, num_splits: int, workspace: DecodeWorkspace, tile: int = 0) -> torch.Tensor:
+                 scale: float, num_splits: int, workspace: DecodeWorkspace, tile: int = 0, num_warps: int = 4,
+                 num_stages: int = 3) -> torch.Tensor:
     """q [rows * qlen, q_heads, dim] -> [rows * qlen, q_heads * dim], as the torch backend's paged_attention.
-    `tile`: keys per loop step, a power of two (0: the block size, kept within MIN_TILE..MAX_TILE)."""
+    `tile`: keys per loop step, a power of two (0: the block size, kept within MIN_TILE..MAX_TILE). `num_warps`,
+    `num_stages`: the split kernel's launch (Triton's defaults; the device script times others)."""
     rows, qlen = positions.shape
     _, _, block_size, kv_heads, dim = kv_cache.shape
     q_heads = q.shape[1]
@@ -146,6 +148,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     _decode_split[(rows, kv_heads, num_splits)](
         q, kv_cache, table, positions, acc, ml, scale, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), table.stride(0), num_splits, Q=qlen, G=group, KVH=kv_heads, D=dim, BS=block_size,
-        TILE=tile, BLOCK_M=block_m, IEEE=q.dtype == torch.float32)
+        TILE=tile, BLOCK_M=block_m, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     _combine[(rows, kv_heads)](acc, ml, out, num_splits, Q=qlen, G=group, KVH=kv_heads, D=dim, BLOCK_M=block_m)
     return out

@@ -161,6 +161,28 @@ def test_a_release_to_p_that_raises_still_answers_400(qwen3_tiny, monkeypatch):
         pool_whole(c)
 
 
+@pytest.mark.parametrize("field,value", [("remote_port", "abc"), ("remote_port", None), ("remote_port", 70000),
+                                         ("lease_seconds", "x"), ("transfer_id", 7), ("remote_block_ids", ["a"]),
+                                         ("num_prompt_tokens", "4")])
+def test_signed_params_of_the_wrong_type_are_a_400_and_the_engine_lives(qwen3_tiny, releases, field, value):
+    """Params whose proof holds but whose fields D cannot act on (a P of another version, or someone with the KV
+    token): a 400 naming the field, before the scheduler or a KV thread reads them. Before, a port "abc" raised
+    inside the scheduler and ended D's engine loop: every later request got a 503. Nothing is released to a P
+    named by such params, and D serves the next request with its pool whole."""
+    with served(qwen3_tiny, kv={}) as (c, state):
+        unsigned = {k: v for k, v in remote_params(PROMPT).items() if k != "kv_proof"}
+        params = sign_params({**unsigned, field: value}, TOKEN)
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={**PD_BODY, "stream": stream, "kv_transfer_params": params})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "kv_transfer_params" and f"malformed {field}" in err["message"], err
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+        assert c.get("/health").status_code == 200
+        pool_whole(c)
+
+
 def test_a_drain_aborts_requests_waiting_on_their_lease_check(qwen3_tiny, releases):
     """A drain that times out while a P/D request still waits for P's answer to its lease check: the request ends
     (finish_reason abort) though it never reached the scheduler, P is told to release the lease when its answer

@@ -80,7 +80,8 @@ def test_transfers_to_one_producer_share_one_handshake(fresh, local):
 
 def test_broken_session_fails_its_load_and_the_next_reconnects(fresh, local, monkeypatch):
     """P cuts the session in the middle of the first load (reads asked, none answered): that load fails by the
-    failure policy (recomputed here) and its blocks go back; the next load dials a new session and pulls."""
+    failure policy (recomputed here) and its blocks go back, and D sends P a bare `done` on a new session, which P
+    frees the lease for; the next load finds that session idle and pulls on it."""
     p, d, pool, server = fresh
     cut = []
 
@@ -94,14 +95,17 @@ def test_broken_session_fails_its_load_and_the_next_reconnects(fresh, local, mon
     out = decode(d, PROMPTS[2:3], kp[:1])
     assert out[PROMPTS[2]].outputs[0].token_ids == local[PROMPTS[2]]
     assert d.engine.connector.stats.failures == {"ConnectionError": 1} and pool.redials == 0
-    assert pool.num_idle() == 0  # dropped, not pooled
+    deadline = time.monotonic() + 5
+    while pool.num_idle() == 0:  # the `done`'s session: the cut one was dropped, not pooled
+        assert time.monotonic() < deadline, "no `done` after the failed load"
+        time.sleep(0.01)
+    assert pool.num_idle() == 1 and pool.handshakes == 2
+    assert d.engine.connector.check_remote(kp[0]) == 0.0  # P heard it: the lease is gone, not left to run out
     received = d.engine.connector.stats.bytes_received
     out = decode(d, PROMPTS[3:4], kp[1:])
     assert out[PROMPTS[3]].outputs[0].token_ids == local[PROMPTS[3]]
     assert d.engine.connector.stats.bytes_received > received and pool.handshakes == 2 and pool.redials == 0
     assert d.engine.connector.stats.failures == {"ConnectionError": 1}
-    for lease in p.engine.connector.leases.values():  # the cut load never said `done`: its lease runs out
-        lease.expiry = 0.0
 
 
 def test_deadline_on_one_load_spares_the_other(fresh, local, monkeypatch):

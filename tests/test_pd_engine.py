@@ -427,6 +427,59 @@ def test_frame_failing_authentication_recomputes(pd, collocated, caplog):
     assert_whole(p, d)
 
 
+def test_a_failed_load_releases_the_producer_lease_at_once(pd, collocated, monkeypatch):
+    """A load that fails with P still there (here every read answers a protocol error): D prefills the prompt
+    itself and sends P a bare `done` on a fresh session, so P frees the blocks now rather than at the lease's end
+    (30 s)."""
+    from pdserve.transfer.protocol import ProtocolError
+    from pdserve.transfer.tcp_consumer import TcpConsumer
+    real = TcpConsumer._transfer
+
+    def failing(self, session, job):
+        if job.dst_blocks:
+            raise ProtocolError("producer answered 'error' (injected)")
+        return real(self, session, job)
+    monkeypatch.setattr(TcpConsumer, "_transfer", failing)
+    p, d = pd
+    params = prefill_on(p, PROMPTS[:2])
+    assert len(p.engine.scheduler.leased) == 2
+    out = decode_on(d, PROMPTS[:2], params)
+    assert [out[i].outputs[0].token_ids for i in range(2)] == collocated[:2]
+    assert d.engine.connector.stats.failures["ProtocolError"] == 2
+    deadline = time.monotonic() + 5  # well inside the 30 s lease
+    while p.engine.scheduler.leased:
+        assert time.monotonic() < deadline, "P kept the leases of the failed loads"
+        p.engine.step()
+        time.sleep(0.01)
+    assert_whole(p, d)
+
+
+def test_a_hung_producer_holds_up_only_its_own_loads(pd, collocated):
+    """Eight loads from a P that accepts and never answers (kv_transfer_timeout 1 s each), queued before one from a
+    healthy P: the healthy one is pulled, not timed out in the queue (a load's deadline counts its wait for a worker:
+    with four shared workers it waited two timeouts), and the hung ones fail and are recomputed here."""
+    p, d = pd
+    hung = socket.create_server(("127.0.0.1", 0))  # connections complete in the kernel; nothing ever answers
+    try:
+        prompts = [PROMPTS[i % 2] for i in range(8)] + [PROMPTS[2]]
+        params = [params_for_peer(d, pr, hung.getsockname()[1]) for pr in prompts[:8]] + prefill_on(p, PROMPTS[2:3])
+        params = [sign_params({**kp, "transfer_id": f"t{i}"}, "secret") if i < 8 else kp
+                  for i, kp in enumerate(params)]
+        out = decode_on(d, prompts, params)
+        want = [collocated[i % 2] for i in range(8)] + collocated[2:3]
+        assert [out[i].outputs[0].token_ids for i in range(9)] == want
+        failures = d.engine.connector.stats.failures
+        assert sum(failures.values()) == 8, failures  # the hung P's, and only those
+        assert d.engine.connector.stats.bytes_received > 0
+    finally:
+        hung.close()
+    deadline = time.monotonic() + 5
+    while p.engine.scheduler.leased:
+        assert time.monotonic() < deadline
+        p.engine.step()
+    assert_whole(p, d)
+
+
 def test_lease_expires_when_decode_never_comes(qwen3_tiny):
     p = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.3)
     prefill_on(p, PROMPTS[:3])

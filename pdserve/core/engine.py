@@ -20,7 +20,7 @@ from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import make_connector
-from pdserve.transfer.proof import NOT_VERIFIED, PROBE_LABEL, prompt_hash, sign_params, verified_params
+from pdserve.transfer.proof import NOT_VERIFIED, PROBE_LABEL, malformed, prompt_hash, sign_params, verified_params
 from pdserve.worker import memory
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -153,6 +153,8 @@ class LLMEngine:
         signed = verified_params(params, self.config.kv_transfer.auth_token())
         if signed is None:
             raise ValueError(self._why_not_verified(params))
+        if (why := malformed(signed)) is not None:
+            raise ValueError(why)
         if signed["num_prompt_tokens"] != len(token_ids) or signed["prompt_hash"] != prompt_hash(token_ids):
             raise ValueError(f"kv_transfer_params are for another prompt: the prompt hash the prefill node signed "
                              f"does not match this request's {len(token_ids)} prompt tokens (params replayed for "
@@ -331,7 +333,8 @@ class LLMEngine:
         if not isinstance(params, dict) or not params.get("do_remote_prefill") or self.connector is None:
             return False
         signed = verified_params(params, self.config.kv_transfer.auth_token())
-        return signed is not None and any(f(signed, request_id) for f in self._connector_calls("release_remote"))
+        return signed is not None and malformed(signed) is None and \
+            any(f(signed, request_id) for f in self._connector_calls("release_remote"))
 
     def remote_lease_left(self, params: dict) -> float:
         """D: seconds P still holds the KV that checked `params` name (0.0: released, expired, or never made there),

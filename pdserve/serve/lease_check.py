@@ -1,5 +1,6 @@
 """D's admission check of remote-prefill params: before a P/D request enters the scheduler, P is asked (over the KV
-session, on a worker thread, so the engine loop never waits on the network) how long it still holds the KV the
+session, on a worker thread of that P's own, so the engine loop never waits on the network and a P that hangs
+delays only its own requests) how long it still holds the KV the
 params name. An authentic proof is not a fresh one: params replayed after their load, or held past their lease,
 would otherwise send D to P for KV that is gone. The answer decides, on the engine loop:
 - seconds left > 0: the request is admitted as usual;
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import queue
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
+
+from pdserve.transfer.peer_workers import PeerWorkers, peer_of
 
 logger = logging.getLogger("pdserve.serve.engine")
 UNREACHABLE = None  # the answer when P could not be asked
@@ -22,8 +24,7 @@ UNREACHABLE = None  # the answer when P could not be asked
 class LeaseChecks:
     def __init__(self, ask: Callable[[dict], float], workers: int = 4):
         self._ask = ask
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._workers = workers
+        self._pool = PeerWorkers(workers, "pdserve-lease-check")  # per P: a hung one holds up only its own
         self._answers: queue.Queue = queue.Queue()
         self._open: dict[str, bool] = {}  # request id -> still wanted (False once aborted)
 
@@ -32,10 +33,8 @@ class LeaseChecks:
         return bool(self._open)
 
     def submit(self, rid: str, params: dict, cmd: tuple) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="pdserve-lease-check")
         self._open[rid] = True
-        self._pool.submit(self._run, rid, params, cmd)
+        self._pool.submit(peer_of(params), self._run, rid, params, cmd)
 
     def _run(self, rid: str, params: dict, cmd: tuple) -> None:
         try:
@@ -74,5 +73,4 @@ class LeaseChecks:
         return out
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()

@@ -4,7 +4,10 @@ Lifecycle of a request:
 1. the client's body is parsed (400 on bad JSON); `X-Request-Id` is taken or made, and carried to P and D;
 2. step 1, to a healthy P (round-robin, or least-loaded with ties taken in turn): the same request with
    `max_tokens=1`, `stream=false`, `ignore_eos=true`, no stop conditions, `kv_transfer_params={"do_remote_decode":
-   true}`; a P that fails before answering (connection error, 5xx) is retried on another P; a one-token token-id
+   true}`; a P that fails before answering (connection error, 5xx) is retried on another P, and so is a P that
+   refuses the P/D prefill itself (a 4xx on kv_transfer_params: no KV connector, a decode node), a deployment
+   error answered 502 when no P is left; a P refusing the client's own fields sends the request to D alone, which
+   answers the same client errors (or serves it where P and D are configured differently); a one-token token-id
    prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
    params and D prefills it);
 3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
@@ -12,7 +15,8 @@ Lifecycle of a request:
    (nothing to hand over) sends the original request to D alone, which prefills it locally;
 4. D's response, streamed or not, goes back to the client unchanged; but D refusing P's params (a 400 on
    kv_transfer_params) is a deployment error, not the client's: the client gets a 502 naming it, and a proof that
-   does not verify takes that P/D pair out of rotation (P and D hold different KV tokens);
+   does not verify takes that P/D pair out of rotation (P and D hold different KV tokens); a D that breaks off
+   a stream it began ends it with an error event and `[DONE]`;
 5. params no D took end their lease on P at once: when no D is left, D cannot be reached, D answers anything but
    200 (D also releases what it refuses itself; the two are idempotent), or the client goes away before D's
    answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
@@ -169,12 +173,13 @@ class Router:
         return tuple(p for p in self.prefill.nodes if all((p.url, d.url) in self.bad_pairs for d in live))
 
     async def _prefill(self, path: str, body: dict,
-                       headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response]]:
+                       headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response], str]:
         """(P's kv_transfer_params or None: nothing to hand over, the P that answered, P's Server-Timing, an error
-        response for the client or None)."""
+        response for the client or None, P's refusal of the client's request or "")."""
         p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
         p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
         tried: tuple = self._prefill_exclusions()
+        setup_error = ""
         while (node := self.prefill.pick(tried)) is not None:
             tried += (node,)
             node.in_flight += 1
@@ -187,16 +192,25 @@ class Router:
                 node.in_flight -= 1
             if r.status_code >= 500:
                 continue
-            if r.status_code != 200:  # the client's mistake: P's 4xx goes back as it is
-                return None, node, {}, Response(r.content, r.status_code, media_type="application/json")
+            if r.status_code != 200:
+                msg, param = _error_of(r)
+                if param == "kv_transfer_params":  # P's own P/D set-up refused (no KV connector, a decode node)
+                    setup_error = f"prefill node {node.url} refused the P/D prefill: {msg}"
+                    logger.error("[%s] %s (a deployment error); trying another", headers["X-Request-Id"], setup_error)
+                    continue
+                # P refused the client's fields: D, which answers the same client errors, decides (P and D may
+                # be configured differently, e.g. a shorter max_model_len on P: D then prefills locally)
+                return None, node, {}, None, f"{r.status_code} {msg}"
             try:
                 params = r.json().get("kv_transfer_params")
             except (ValueError, AttributeError) as e:
                 logger.warning("[%s] prefill node %s answered unreadable JSON (%s); trying another",
                                headers["X-Request-Id"], node.url, e)
                 continue
-            return params, node, parse_server_timing(r.headers.get("server-timing")), None
-        return None, None, {}, None  # no P left: D prefills locally
+            return params, node, parse_server_timing(r.headers.get("server-timing")), None, ""
+        if setup_error:  # never a 4xx: the client's request was not at fault
+            return None, None, {}, error(502, setup_error, "bad_gateway"), ""
+        return None, None, {}, None, ""  # no P left: D prefills locally
 
     def _release(self, p_node: Optional[Node], d_body: dict, rid: str, why: str) -> None:
         """Step 5: end, in the background, P's lease on the signed params in `d_body` (if any) that no D took."""
@@ -244,7 +258,7 @@ class Router:
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:
-            params, p_node, p_timing, err = (None, None, {}, None) if one_token else \
+            params, p_node, p_timing, err, p_refused = (None, None, {}, None, "") if one_token else \
                 await self._prefill(path, body, headers)
             if err is not None:
                 return err
@@ -291,6 +305,10 @@ class Router:
             node.in_flight -= 1
             return await self._refused(upstream, p_node, node)
         ok = upstream.status_code == 200
+        if ok and p_refused:
+            logger.warning("[%s] prefill node %s refused the request (%s) that decode node %s serves: P and D are "
+                           "configured differently (max_model_len, limits, API key?); D prefilled it", rid,
+                           p_node.url, p_refused, node.url)
         d_timing = parse_server_timing(upstream.headers.get("server-timing"))
         if ok and not body.get("stream") and "ttft" in d_timing:
             # A whole answer: the router never sees the first token, D's own TTFT stands in for it.
@@ -311,6 +329,12 @@ class Router:
                         first[0] = False
                         self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
                     yield chunk
+            except httpx.HTTPError as e:  # D went away mid-answer: the headers are out, so end the stream cleanly
+                logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, e)
+                if "text/event-stream" in media:
+                    err = {"message": f"decode node {node.url} broke off its answer: {e}", "type": "bad_gateway",
+                           "code": 502}
+                    yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await release()
 
@@ -340,10 +364,16 @@ class Router:
 
 
 def _message(r: httpx.Response) -> str:
+    return _error_of(r)[0]
+
+
+def _error_of(r: httpx.Response) -> tuple[str, Optional[str]]:
+    """(message, param) of an OpenAI-shaped error answer."""
     try:
-        return str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {r.status_code}"
+        err = r.json()["error"]
+        return str(err["message"]), err.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"HTTP {r.status_code}", None
 
 
 def build_app(router: Router) -> FastAPI:

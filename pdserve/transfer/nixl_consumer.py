@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Optional
@@ -21,6 +20,7 @@ from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, LoadJob
 from pdserve.transfer.nixl_agent import NixlError, Transfer
 from pdserve.transfer.nixl_peers import AgentPeers
+from pdserve.transfer.peer_workers import PeerWorkers, peer_of
 from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
 from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
 from pdserve.transfer.tcp_consumer import TcpConsumer
@@ -55,7 +55,7 @@ class NixlConsumer:
         self._reads: list[_Read] = []
         self._events: list[tuple] = []  # (kind, request id, why, read): for the engine thread
         self._loading = 0  # loads between their start and their post (or failure)
-        self._loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-nixl-load")
+        self._loaders = PeerWorkers(4, "kv-nixl-load")  # a hung P holds only its own requests' workers
         self._closed = False
 
     def attach(self, agent) -> None:
@@ -103,7 +103,7 @@ class NixlConsumer:
             if job.dst_blocks:
                 with self._cv:
                     self._loading += 1
-                self._loaders.submit(self._load, job, time.monotonic())
+                self._loaders.submit(peer_of(job.params), self._load, job, time.monotonic())
 
     def _endpoint(self, params: dict) -> tuple[str, int]:
         host, port = str(params.get("remote_host")), int(params.get("remote_port", -1))
@@ -215,7 +215,8 @@ class NixlConsumer:
         self.peers.release(r.peer, suspect=state == "ERR")
         if state == "ERR" and not r.overdue:  # P may be alive (then it frees now), or gone (then nothing is lost)
             with suppress(RuntimeError):  # shut down meanwhile
-                self._loaders.submit(self._tell_done, r.endpoint, str(r.job.params.get("transfer_id")))
+                self._loaders.submit(peer_of(r.job.params), self._tell_done, r.endpoint,
+                                     str(r.job.params.get("transfer_id")))
         self._event("done" if used else "ended" if r.overdue else "failed", r, "KV load failed: NIXL read error")
 
     def _event(self, kind: str, r: _Read, why: str) -> None:
@@ -250,5 +251,5 @@ class NixlConsumer:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._loaders.shutdown(wait=False, cancel_futures=True)
+        self._loaders.shutdown()
         self.tcp.shutdown()

@@ -9,10 +9,12 @@ Consumer (D) lifecycle of a request:
    renewed in the background (`renew`, as `check_remote`) once less than half of that is left, for every request
    queued on a lease (`watch_lease`), then prefills locally; a request that reaches the head after its lease ended
    is not pulled;
-3. `start_load_kv` pulls on a worker thread, over a session to P from the pool (a handshake only when no idle one
+3. `start_load_kv` pulls on a worker thread of that P's own (`peer_workers.py`: a hung P holds up only its own
+   requests), over a session to P from the pool (a handshake only when no idle one
    is left): reads of up to 64 blocks per frame, all asked at once (the last one also says `done`) and received
    straight into D's own blocks; the whole pull, counted from when it was queued, has `kv_transfer_timeout`, and any
-   failure drops the session (the next transfer dials anew);
+   failure drops the session (the next transfer dials anew) and sends P a bare `done` on a fresh one, so its
+   lease ends now rather than at expiry;
 4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
    scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
    (params rejected, the lease ran out while blocks were short, all cached here) still sends P a bare `done` for
@@ -24,12 +26,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 from pdserve.config import LOOPBACK
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, LoadJob, load_job
 from pdserve.transfer.leases import LeaseKeeper, ask_renew, prompt_hash, send_done
+from pdserve.transfer.peer_workers import PeerWorkers, peer_of
 from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
 from pdserve.transfer.tcp_blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
 from pdserve.transfer.tcp_pool import SessionPool
@@ -47,8 +50,9 @@ class TcpConsumer:
         self._inflight: set[str] = set()
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
-        self._loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
-        self.keeper = LeaseKeeper(config.kv_lease_seconds, self.check_remote, self._loaders.submit)
+        self._loaders = PeerWorkers(4, "kv-load")  # a hung P holds only its own requests' workers
+        self.keeper = LeaseKeeper(config.kv_lease_seconds, self.check_remote,
+                                  lambda fn, req: self._loaders.submit(peer_of(req.kv_transfer_params), fn, req))
 
     def peer_allowed(self, host: str, port: int) -> bool:
         peers = self.config.kv_peers
@@ -124,7 +128,7 @@ class TcpConsumer:
         for job in meta.loads:
             with self._lock:
                 self._inflight.add(job.request_id)
-            self._loaders.submit(self._pull, job, time.monotonic())
+            self._loaders.submit(peer_of(job.params), self._pull, job, time.monotonic())
 
     def _pull(self, job: LoadJob, queued: float) -> None:
         """A load, or with no `dst_blocks` a bare `done` that only releases P's lease. Either has
@@ -145,6 +149,10 @@ class TcpConsumer:
                 logger.warning("request %s: KV load failed (%s): %s", job.request_id, cause, e)
                 with self._lock:
                     self._failed[job.request_id] = f"KV load failed ({cause}): {e}"
+                # the request no longer needs P's KV either way (recomputed here, or failed): a bare `done` on a
+                # fresh session frees the lease now, if P is there to hear it, rather than at its expiry
+                with suppress(RuntimeError):  # shut down meanwhile
+                    self._loaders.submit(peer_of(p), self._pull, LoadJob(job.request_id, p, 0, []), time.monotonic())
         finally:
             with self.stats.lock:
                 self.stats.seconds_receiving += 0.0 if bare else time.monotonic() - t0
@@ -200,5 +208,5 @@ class TcpConsumer:
             return bool(self._inflight or self._done or self._failed or self._queued)
 
     def shutdown(self) -> None:
-        self._loaders.shutdown(wait=False, cancel_futures=True)
+        self._loaders.shutdown()
         self.pool.close()

@@ -1,0 +1,51 @@
+"""D's network work per P (transfer/peer_workers.py): a P that accepts and never answers holds only its own
+requests' workers, so lease checks for every other P are answered at once (before, four shared workers: N
+requests for a hung P held everyone else up for about N / 4 x kv_transfer_timeout)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pdserve.serve.lease_check import LeaseChecks
+from pdserve.transfer.peer_workers import PeerWorkers, peer_of
+
+HUNG = {"remote_host": "10.0.0.9", "remote_port": 7001}
+HEALTHY = {"remote_host": "10.0.0.8", "remote_port": 7001}
+
+
+def test_lease_checks_for_a_healthy_p_pass_those_stuck_on_a_hung_one():
+    gate = threading.Event()
+
+    def ask(params):
+        if params is HUNG:
+            gate.wait(10)  # a P that never answers (until the test lets go)
+        return 30.0
+    checks = LeaseChecks(ask)
+    try:
+        for i in range(12):
+            checks.submit(f"h{i}", HUNG, ("add", f"h{i}"))
+        checks.submit("ok", HEALTHY, ("add", "ok"))
+        t0, got = time.monotonic(), []
+        while not got and time.monotonic() - t0 < 2.0:
+            got = checks.answers(0.05)
+        assert [cmd[1] for cmd, left, wanted in got] == ["ok"] and got[0][1:] == (30.0, True)
+        gate.set()
+        answered = set()
+        while len(answered) < 12 and time.monotonic() - t0 < 10:
+            answered |= {cmd[1] for cmd, _, _ in checks.answers(0.05)}
+        assert answered == {f"h{i}" for i in range(12)} and not checks.pending
+    finally:
+        gate.set()
+        checks.shutdown()
+
+
+def test_peer_workers_run_each_peer_on_its_own_threads_and_refuse_after_shutdown():
+    w = PeerWorkers(2, "t")
+    assert peer_of(HUNG) == "10.0.0.9:7001" and peer_of(None) == "None:None"
+    threads = [w.submit(peer_of(p), threading.current_thread).result(5) for p in (HUNG, HEALTHY, HUNG)]
+    assert all(t.name.startswith("t") for t in threads) and threads[0] is not threads[1]
+    w.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        w.submit("x:1", lambda: None)

@@ -1,0 +1,122 @@
+"""The router's answers when a node misbehaves, against fake P and D nodes (an httpx MockTransport: no engines):
+a P whose own P/D set-up refuses the prefill (a deployment error: the next P, else a 502, never the client's 4xx);
+a P that refuses the client's fields (D, which answers the same client errors, decides: a shorter max_model_len on
+P no longer refuses what D serves); a D that breaks off a stream it began (an error event and [DONE], no
+traceback)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from pdserve.serve.router import Router, build_app
+
+P1, P2, D = "http://p1.test", "http://p2.test", "http://d.test"
+PARAMS = {"do_remote_prefill": True, "transfer_id": "t1", "kv_proof": "x"}
+
+
+def err(status: int, message: str, param=None) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": "x", "param": param, "code": status}})
+
+
+class Broken(httpx.AsyncByteStream):
+    """A stream that sends its first events, then the connection drops."""
+
+    def __init__(self, first: list[bytes]):
+        self.first = first
+
+    async def __aiter__(self):
+        for chunk in self.first:
+            yield chunk
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+class Nodes:
+    """Fake nodes: `p[url]` and `d` are callables (json body) -> httpx.Response; every call is recorded."""
+
+    def __init__(self, p: dict, d):
+        self.p, self.d, self.calls = p, d, []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        if request.url.path in ("/health", "/v1/kv/probe"):
+            return httpx.Response(200 if request.url.path == "/health" else 404, json={})
+        body = json.loads(request.content)
+        self.calls.append((url, request.url.path, body))
+        if request.url.path == "/v1/kv/release":
+            return httpx.Response(200, json={})
+        r = self.p[url](body) if url in self.p else self.d(body)
+        if isinstance(r.stream, Broken):
+            return r
+        # as a server's answer arrives: a stream not yet read (the router relays D's raw bytes)
+        return httpx.Response(r.status_code, headers=r.headers, stream=httpx.ByteStream(r.content))
+
+
+def routed(nodes: Nodes, prefill: list[str]):
+    router = Router(prefill, [D], "round-robin", health_interval=3600)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
+    return TestClient(build_app(router))
+
+
+def ok_p(body):
+    return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+
+
+def ok_d(body):
+    return httpx.Response(200, json={"choices": [{"text": "served"}], "got_params": "kv_transfer_params" in body})
+
+
+NO_CONNECTOR = "kv_transfer_params: this server has no KV connector (start it with a KV transfer config)"
+
+
+def test_a_p_without_its_kv_set_up_is_a_deployment_error_not_the_clients():
+    """P answers a 400 on kv_transfer_params (started without a KV connector, or a decode node in the prefill
+    list): the next P serves the request; with no P left, the client gets a 502 naming the refusal, and D is never
+    asked (nothing to hand over, no lease)."""
+    bad = lambda body: err(400, NO_CONNECTOR, "kv_transfer_params")  # noqa: E731
+    nodes = Nodes({P1: bad, P2: ok_p}, ok_d)
+    with routed(nodes, [P1, P2]) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["got_params"], r.text
+        assert [u for u, path, _ in nodes.calls] == [P1, P2, D]
+    nodes = Nodes({P1: bad}, ok_d)
+    with routed(nodes, [P1]) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+        assert r.status_code == 502, r.text
+        msg = r.json()["error"]["message"]
+        assert P1 in msg and "no KV connector" in msg and "Traceback" not in r.text
+        assert [u for u, _, _ in nodes.calls] == [P1]
+
+
+@pytest.mark.parametrize("d_answer", ["serves", "refuses"])
+def test_a_p_refusing_the_clients_fields_leaves_the_answer_to_d(d_answer):
+    """P refuses the client's own fields (here its max_model_len is shorter than D's): the request goes to D alone
+    (no params), which serves it, or refuses it with its own 400 that goes back to the client as it is."""
+    short = lambda body: err(400, "the prompt has 100 tokens but max_model_len is 64", "prompt")  # noqa: E731
+    d = ok_d if d_answer == "serves" else (lambda body: err(400, "temperature must be non-negative", "temperature"))
+    nodes = Nodes({P1: short}, d)
+    with routed(nodes, [P1]) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+        sent_to_d = [b for u, _, b in nodes.calls if u == D]
+        assert len(sent_to_d) == 1 and "kv_transfer_params" not in sent_to_d[0]
+        if d_answer == "serves":
+            assert r.status_code == 200 and r.json()["got_params"] is False
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+def test_a_decode_node_that_breaks_off_a_stream_ends_it_with_an_error_event():
+    first = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
+    nodes = Nodes({P1: ok_p}, lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                                          stream=Broken(first)))
+    with routed(nodes, [P1]) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "hello there", "stream": True}) as r:
+            assert r.status_code == 200
+            text = "".join(r.iter_text())
+    events = [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
+    assert events[:2] == [f.decode().strip().removeprefix("data: ") for f in first]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and D in error["message"] and "broke off" in error["message"]

@@ -170,6 +170,15 @@ class KVTransferConfig:
         if bool(self.kv_tls_cert) != bool(self.kv_tls_key):
             have, need = ("kv_tls_cert", "kv_tls_key") if self.kv_tls_cert else ("kv_tls_key", "kv_tls_cert")
             raise ValueError(f"kv_transfer_config.{need} is required with {have}")
+        # what P signs into every request's params: a wrong type here would make D refuse them all (proof.malformed)
+        if not isinstance(self.engine_id, str):
+            raise ValueError(f"kv_transfer_config.engine_id must be a string, got {self.engine_id!r}")
+        for name in ("kv_lease_seconds", "kv_transfer_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"kv_transfer_config.{name} must be a positive number of seconds, got {v!r}")
+        if isinstance(self.kv_port, bool) or not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config.kv_port must be a port number (0..65535), got {self.kv_port!r}")
         if not 0 <= self.kv_server_nice <= 19:
             raise ValueError("kv_transfer_config.kv_server_nice must be in 0..19")
         for name in ("kv_tls_cert", "kv_tls_key", "kv_tls_ca"):

@@ -19,8 +19,12 @@ def _is_int(x: Any) -> bool:
 
 def _float(name: str, x: Any) -> float:
     # Python's json reads Infinity: an infinite temperature would sample from NaN
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    try:
+        finite = not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {x!r}"[:200])
     return float(x)
 
 

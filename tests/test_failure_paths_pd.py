@@ -162,8 +162,8 @@ def test_a_release_to_p_that_raises_still_answers_400(qwen3_tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("field,value", [("remote_port", "abc"), ("remote_port", None), ("remote_port", 70000),
-                                         ("lease_seconds", "x"), ("transfer_id", 7), ("remote_block_ids", ["a"]),
-                                         ("num_prompt_tokens", "4")])
+                                         ("lease_seconds", "x"), ("transfer_id", 7), ("num_prompt_tokens", "4"),
+                                         ("lease_seconds", True)])
 def test_signed_params_of_the_wrong_type_are_a_400_and_the_engine_lives(qwen3_tiny, releases, field, value):
     """Params whose proof holds but whose fields D cannot act on (a P of another version, or someone with the KV
     token): a 400 naming the field, before the scheduler or a KV thread reads them. Before, a port "abc" raised

@@ -454,11 +454,11 @@ def test_a_failed_load_releases_the_producer_lease_at_once(pd, collocated, monke
     assert_whole(p, d)
 
 
-def test_a_hung_producer_holds_up_only_its_own_loads(pd, collocated):
-    """Eight loads from a P that accepts and never answers (kv_transfer_timeout 1 s each), queued before one from a
+def test_a_hung_producer_holds_up_only_its_own_loads(qwen3_tiny, collocated):
+    """Eight loads from a P that accepts and never answers (kv_transfer_timeout 2 s each), queued before one from a
     healthy P: the healthy one is pulled, not timed out in the queue (a load's deadline counts its wait for a worker:
     with four shared workers it waited two timeouts), and the hung ones fail and are recomputed here."""
-    p, d = pd
+    p, d = producer(qwen3_tiny, free_port()), consumer(qwen3_tiny, kv_transfer_timeout=2.0)
     hung = socket.create_server(("127.0.0.1", 0))  # connections complete in the kernel; nothing ever answers
     try:
         prompts = [PROMPTS[i % 2] for i in range(8)] + [PROMPTS[2]]
@@ -471,13 +471,15 @@ def test_a_hung_producer_holds_up_only_its_own_loads(pd, collocated):
         failures = d.engine.connector.stats.failures
         assert sum(failures.values()) == 8, failures  # the hung P's, and only those
         assert d.engine.connector.stats.bytes_received > 0
+        deadline = time.monotonic() + 5
+        while p.engine.scheduler.leased:
+            assert time.monotonic() < deadline
+            p.engine.step()
+        assert_whole(p, d)
     finally:
         hung.close()
-    deadline = time.monotonic() + 5
-    while p.engine.scheduler.leased:
-        assert time.monotonic() < deadline
-        p.engine.step()
-    assert_whole(p, d)
+        p.engine.shutdown()
+        d.engine.shutdown()
 
 
 def test_lease_expires_when_decode_never_comes(qwen3_tiny):

@@ -49,3 +49,25 @@ def test_peer_workers_run_each_peer_on_its_own_threads_and_refuse_after_shutdown
     w.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         w.submit("x:1", lambda: None)
+
+
+def test_peers_past_the_cap_share_one_pool_and_idle_pools_are_shut(monkeypatch):
+    """A P restarting on new ports (loopback) names new peers each time: past MAX_PEERS they share one pool, and a
+    pool idle past IDLE_SECONDS is shut, so threads stay bounded."""
+    import pdserve.transfer.peer_workers as pw
+    monkeypatch.setattr(pw, "MAX_PEERS", 2)
+    w = PeerWorkers(1, "t")
+    try:
+        for port in range(5):
+            w.submit(f"h:{port}", lambda: None).result(5)
+        assert set(w._pools) == {"h:0", "h:1", pw.SHARED}
+        monkeypatch.setattr(pw, "IDLE_SECONDS", 0.0)
+        gate = threading.Event()
+        busy = w.submit("h:0", gate.wait, 5)  # a pool with work in it is never shut
+        time.sleep(0.01)
+        w.submit("h:9", lambda: None).result(5)
+        assert "h:0" in w._pools and "h:1" not in w._pools
+        gate.set()
+        busy.result(5)
+    finally:
+        w.shutdown()

@@ -2,7 +2,7 @@
 a P whose own P/D set-up refuses the prefill (a deployment error: the next P, else a 502, never the client's 4xx);
 a P that refuses the client's fields (D, which answers the same client errors, decides: a shorter max_model_len on
 P no longer refuses what D serves); a D that breaks off a stream it began (an error event and [DONE], no
-traceback)."""
+traceback) or a whole answer (a 502, not half a body under a 200)."""
 from __future__ import annotations
 
 import json
@@ -107,16 +107,39 @@ def test_a_p_refusing_the_clients_fields_leaves_the_answer_to_d(d_answer):
             assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
-def test_a_decode_node_that_breaks_off_a_stream_ends_it_with_an_error_event():
-    first = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
+def broken_stream(first: list[bytes]) -> str:
     nodes = Nodes({P1: ok_p}, lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
                                                           stream=Broken(first)))
     with routed(nodes, [P1]) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "hello there", "stream": True}) as r:
             assert r.status_code == 200
-            text = "".join(r.iter_text())
-    events = [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
-    assert events[:2] == [f.decode().strip().removeprefix("data: ") for f in first]
+            return "".join(r.iter_text())
+
+
+@pytest.mark.parametrize("cut", ["between events", "inside an event"])
+def test_a_decode_node_that_breaks_off_a_stream_ends_it_with_an_error_event(cut):
+    """D's events, then an error event that parses on its own (a chunk cut inside an event is closed first),
+    then [DONE]."""
+    first = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
+    if cut == "inside an event":
+        first.append(b'data: {"choi')
+    events = [e.removeprefix("data: ") for e in broken_stream(first).strip().split("\n\n")]
+    assert events[:2] == [f.decode().strip().removeprefix("data: ") for f in first[:2]]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == 502 and D in error["message"] and "broke off" in error["message"]
+    assert len(events) == (5 if cut == "inside an event" else 4)
+
+
+def test_a_stream_that_ended_before_the_break_is_left_as_it_is():
+    first = [b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"]
+    assert broken_stream(first) == b"".join(first).decode()
+
+
+def test_a_decode_node_that_breaks_off_a_whole_answer_is_a_502():
+    """A non-streamed answer cut short would otherwise reach the client as a 200 with half a JSON body."""
+    nodes = Nodes({P1: ok_p}, lambda body: httpx.Response(200, headers={"content-type": "application/json"},
+                                                          stream=Broken([b'{"choices": [{"text": "par'])))
+    with routed(nodes, [P1]) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello there"})
+    assert r.status_code == 502 and "broke off" in r.json()["error"]["message"]

@@ -16,7 +16,8 @@ def test_defaults_match_vllm():
 @pytest.mark.parametrize("field,value", [
     ("n", 2), ("n", 0), ("n", "1"),
     ("temperature", -1.0), ("temperature", "hot"), ("temperature", float("nan")), ("temperature", None),
-    ("temperature", float("inf")), ("top_p", float("-inf")), ("repetition_penalty", float("inf")),
+    ("temperature", float("inf")), ("temperature", 10 ** 400), ("top_p", float("-inf")),
+    ("repetition_penalty", float("inf")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", True),
     ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
     ("min_p", -0.1), ("min_p", 1.1),

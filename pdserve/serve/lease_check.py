@@ -33,8 +33,8 @@ class LeaseChecks:
         return bool(self._open)
 
     def submit(self, rid: str, params: dict, cmd: tuple) -> None:
+        self._pool.submit(peer_of(params), self._run, rid, params, cmd)  # raises: nothing left open for it
         self._open[rid] = True
-        self._pool.submit(peer_of(params), self._run, rid, params, cmd)
 
     def _run(self, rid: str, params: dict, cmd: tuple) -> None:
         try:

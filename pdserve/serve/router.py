@@ -313,8 +313,20 @@ class Router:
         if ok and not body.get("stream") and "ttft" in d_timing:
             # A whole answer: the router never sees the first token, D's own TTFT stands in for it.
             self.ttft.observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
-        first = [ok and bool(body.get("stream"))]
+        media = upstream.headers.get("content-type", "application/json")
+        if "text/event-stream" not in media:  # a whole answer: read it all, so a D that breaks off is a clean 502
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, e)
+                return error(502, f"decode node {node.url} broke off its answer: {e}", "bad_gateway")
+            finally:
+                node.in_flight -= 1
+                await upstream.aclose()
+            return Response(content, upstream.status_code, media_type=media, headers={"X-Request-Id": rid})
+        first = [ok]
         released = [False]
+        tail = [b"\n\n"]  # the stream's last bytes: where the events stand if D breaks off
 
         async def release():  # idempotent: from the relay's end, or the background task if the relay never ran
             if not released[0]:
@@ -328,20 +340,21 @@ class Router:
                     if first[0]:
                         first[0] = False
                         self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
+                    tail[0] = (tail[0] + chunk)[-16:]
                     yield chunk
-            except httpx.HTTPError as e:  # D went away mid-answer: the headers are out, so end the stream cleanly
-                logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, e)
-                if "text/event-stream" in media:
+            except httpx.HTTPError as e:  # D went away mid-stream: the headers are out, so end the stream cleanly
+                logger.warning("[%s] decode node %s broke off its stream: %s", rid, node.url, e)
+                if not tail[0].endswith(b"data: [DONE]\n\n"):  # D had not ended it already
                     err = {"message": f"decode node {node.url} broke off its answer: {e}", "type": "bad_gateway",
                            "code": 502}
-                    yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
+                    # a chunk may end inside an event: close it first, so the error event parses on its own
+                    yield (b"" if tail[0].endswith(b"\n\n") else b"\n\n") + \
+                        f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await release()
 
-        media = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
                                  headers={"X-Request-Id": rid}, background=BackgroundTask(release))
-
 
     async def _refused(self, upstream: httpx.Response, p: Node, d: Node) -> Response:
         """D's 400 to a P/D request: on the params this router relayed unaltered it is a deployment error, answered

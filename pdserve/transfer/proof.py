@@ -31,18 +31,13 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# The types D acts on the signed fields with. P signs what it wrote, so a wrong type is a P of another version (or a
+# The types D acts on the signed fields with (fields it only compares or passes on are left alone). P signs what it wrote, so a wrong type is a P of another version (or a
 # bug), or someone holding the KV token: refused at admission, before the scheduler or a KV thread reads a field.
 _TYPED = {
     "transfer_id": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "remote_engine_id": (lambda v: isinstance(v, str), "a string"),
-    "remote_request_id": (lambda v: isinstance(v, str), "a string"),
     "remote_host": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "remote_port": (lambda v: _int(v) and 0 < v < 65536, "a port number (an integer in 1..65535)"),
-    "remote_block_ids": (lambda v: isinstance(v, list) and all(_int(b) and b >= 0 for b in v),
-                         "a list of block ids (non-negative integers)"),
     "num_prompt_tokens": (lambda v: _int(v) and v > 0, "a positive integer"),
-    "prompt_hash": (lambda v: isinstance(v, str), "a string"),
     "lease_seconds": (lambda v: (_int(v) or isinstance(v, float)) and math.isfinite(v), "a number of seconds"),
     "kv_connector": (lambda v: isinstance(v, str), "a connector name"),
 }

@@ -93,3 +93,37 @@ def test_process_backend_sigint(qwen3_tiny):
         assert not group_alive(srv.pgid), "the engine process outlived the server"
     finally:
         srv.cleanup()
+
+
+def test_process_backend_drains_when_the_whole_group_gets_sigterm(qwen3_tiny):
+    """systemd's default KillMode, `kill -TERM -<pgid>` and container inits signal the server and its engine child
+    alike: a stream in flight still finishes (the child ignores SIGTERM and waits for the server's stop), and
+    everything exits 0. Before, the child died at once and the stream ended with "the engine process exited"."""
+    import os
+    srv = ServerProcess(qwen3_tiny, "--engine-backend", "process", "--max-model-len", "512",
+                        "--num-gpu-blocks-override", "128", "--shutdown-timeout", "20")
+    try:
+        srv.wait_healthy()
+        lines: list = []
+        started = threading.Event()
+
+        def stream():
+            body = {"prompt": "import os", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        os.killpg(srv.pgid, signal.SIGTERM)
+        t.join(60)
+        assert lines[-1] == "[DONE]", lines[-3:]
+        chunks = [json.loads(x) for x in lines[:-1]]
+        assert not any("error" in c for c in chunks), chunks[-2:]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert sum(len(c["choices"][0].get("text", "")) > 0 for c in chunks if c["choices"]) > 1
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.cleanup()

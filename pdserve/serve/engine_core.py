@@ -302,7 +302,10 @@ class PipeInbox:
 def run_in_process(engine_config, cmd_conn, out_conn, log_level: str) -> None:
     """Entry point of the engine child process."""
     import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles signals and stops us with a command
+    # The server handles signals and stops us with a command (or we stop when its pipe closes). SIGTERM too: systemd,
+    # `kill -TERM -<pgid>` and container inits signal the whole group, which must drain, not lose the engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pdserve.serve.request_context import configure_logging
     configure_logging(log_level)
 

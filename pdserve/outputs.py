@@ -31,6 +31,14 @@ class RequestMetrics:
     # a P/D consumer's KV load: from its start to the poll that saw it end, done or failed
     kv_load_start_time: Optional[float] = None
     kv_load_end_time: Optional[float] = None
+    # D: the request came with P's KV to take (remote prefill params), and whether a load of it completed
+    kv_remote: bool = False
+    kv_loaded: bool = False
+
+    @property
+    def kv_unused(self) -> bool:
+        """D took none of P's KV (refused or failed load, lease gone, all cached here): P may still hold it."""
+        return self.kv_remote and not self.kv_loaded
 
     @property
     def kv_transfer_time(self) -> float:

@@ -183,6 +183,24 @@ def test_signed_params_of_the_wrong_type_are_a_400_and_the_engine_lives(qwen3_ti
         pool_whole(c)
 
 
+def test_a_pd_request_served_without_ps_kv_says_so_for_the_router(qwen3_tiny):
+    """P cannot be reached over the KV link (here nobody listens; a TLS mismatch looks the same): D prefills
+    locally and answers X-PD-KV-Unused, streamed and not, so the router releases P's lease over HTTP (D's own
+    `done` would take the broken link too). A request without P/D params never carries it."""
+    from pdserve.serve.router_timing import KV_UNUSED_HEADER
+    with served(qwen3_tiny, kv={}) as (c, state):
+        r = c.post("/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT)})
+        assert r.status_code == 200 and r.headers.get(KV_UNUSED_HEADER) == "1", r.headers
+        assert r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+        with c.stream("POST", "/v1/completions", json={**PD_BODY, "stream": True,
+                                                       "kv_transfer_params": remote_params(PROMPT)}) as r:
+            assert r.status_code == 200 and r.headers.get(KV_UNUSED_HEADER) == "1"
+            assert list(r.iter_lines())
+        r = c.post("/v1/completions", json=PD_BODY)
+        assert r.status_code == 200 and KV_UNUSED_HEADER not in r.headers
+        pool_whole(c)
+
+
 def test_a_drain_aborts_requests_waiting_on_their_lease_check(qwen3_tiny, releases):
     """A drain that times out while a P/D request still waits for P's answer to its lease check: the request ends
     (finish_reason abort) though it never reached the scheduler, P is told to release the lease when its answer

@@ -6,6 +6,7 @@ traceback) or a whole answer (a 502, not half a body under a 200)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -107,6 +108,24 @@ def test_a_p_refusing_the_clients_fields_leaves_the_answer_to_d(d_answer):
             assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
+@pytest.mark.parametrize("unused", [True, False])
+def test_a_decode_node_that_took_none_of_the_kv_gets_ps_lease_released(unused):
+    """D answers 200 with X-PD-KV-Unused (it prefilled locally): the router posts P's params to P's
+    /v1/kv/release, since D's own `done` may not have reached P. Without the header, nothing is posted."""
+    from pdserve.serve.router_timing import KV_UNUSED_HEADER
+    nodes = Nodes({P1: ok_p}, lambda body: httpx.Response(200, json={"choices": [{"text": "x"}]},
+                                                          headers={KV_UNUSED_HEADER: "1"} if unused else {}))
+    with routed(nodes, [P1]) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello there"})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 5
+        while unused and not any(path == "/v1/kv/release" for _, path, _ in nodes.calls):
+            assert time.monotonic() < deadline, nodes.calls
+            time.sleep(0.01)
+    releases = [b for u, path, b in nodes.calls if path == "/v1/kv/release"]
+    assert releases == ([{"kv_transfer_params": PARAMS}] if unused else [])
+
+
 def broken_stream(first: list[bytes]) -> str:
     nodes = Nodes({P1: ok_p}, lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
                                                           stream=Broken(first)))
@@ -143,3 +162,24 @@ def test_a_decode_node_that_breaks_off_a_whole_answer_is_a_502():
     with routed(nodes, [P1]) as c:
         r = c.post("/v1/completions", json={"prompt": "hello there"})
     assert r.status_code == 502 and "broke off" in r.json()["error"]["message"]
+
+
+def test_a_decode_node_that_refuses_the_connection_is_passed_over():
+    """A D that went down since the last health check refuses the connection: nothing reached it, so the request
+    goes to the next D (not a 502), and the refusing D is out of rotation until /health answers again."""
+    D2 = "http://d2.test"
+    nodes = Nodes({P1: ok_p}, ok_d)
+    inner = nodes.__call__
+
+    def transport(request):
+        if request.url.host == "d.test" and request.url.path.startswith("/v1/"):
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return inner(request)
+    router = Router([P1], [D, D2], "round-robin", health_interval=3600)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+    with TestClient(build_app(router)) as c:
+        for _ in range(3):
+            r = c.post("/v1/completions", json={"prompt": "hello there"})
+            assert r.status_code == 200 and r.json()["got_params"], r.text
+    assert [n.healthy for n in router.decode.nodes] == [False, True]
+    assert [u for u, path, _ in nodes.calls if path == "/v1/completions"] == [P1, D2] * 3

@@ -122,7 +122,8 @@ class LLMEngine:
         req.detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
-        req.metrics = RequestMetrics(req.arrival_time)
+        req.metrics = RequestMetrics(req.arrival_time,
+                                     kv_remote=bool((kv_transfer_params or {}).get("do_remote_prefill")))
         req.prompt_text = prompt if isinstance(prompt, str) else None
         self.scheduler.add_request(req)  # last: a request the scheduler holds is whole
         return req
@@ -261,6 +262,7 @@ class LLMEngine:
         for rid in fin.done_recving | set(fin.failed):
             if (req := self.scheduler.requests.get(rid)) is not None:
                 req.metrics.kv_load_end_time = now
+                req.metrics.kv_loaded = rid in fin.done_recving
         failed = self.scheduler.process_transfers(fin)
         return [self.output_processor.make_output(r, []) for r in failed if r is not None]
 

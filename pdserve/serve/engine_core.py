@@ -36,6 +36,7 @@ class TokenRecord:
     kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
     rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
     timing: Optional[dict] = None  # on the record with the first token: seconds by stage, see `_timing`
+    kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
 
 
 @dataclass
@@ -79,7 +80,8 @@ def _record(out) -> TokenRecord:
             lps.append([(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2]))
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
-                       getattr(out, "kv_transfer_params", None), timing=_timing(out.metrics) if first else None)
+                       getattr(out, "kv_transfer_params", None), timing=_timing(out.metrics) if first else None,
+                       kv_unused=first and out.metrics.kv_unused)
 
 
 class EngineCore:

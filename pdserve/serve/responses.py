@@ -75,6 +75,7 @@ class ResponseBuilder:
         self.kv_transfer_params: Optional[dict] = None
         self.rejected = False
         self.timing: Optional[dict] = None  # the engine's TTFT split, from the first token's record
+        self.kv_unused = False
         self._offset = 0
         self._role_sent = False
 
@@ -85,6 +86,7 @@ class ResponseBuilder:
             self.logprob_entries.extend(rec.logprobs)
         self.num_cached = rec.num_cached_tokens or self.num_cached
         self.timing = self.timing or rec.timing
+        self.kv_unused = self.kv_unused or rec.kv_unused
         if rec.finished:
             self.finish_reason, self.stop_reason, self.error = rec.finish_reason, rec.stop_reason, rec.error
             self.kv_transfer_params = rec.kv_transfer_params

@@ -11,14 +11,17 @@ Lifecycle of a request:
    prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
    params and D prefills it);
 3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
-   returned them, with P's own proof (D checks it; the router holds no KV token); a P answer without params
-   (nothing to hand over) sends the original request to D alone, which prefills it locally;
+   returned them, with P's own proof (D checks it; the router holds no KV token); a D that refuses the
+   connection (down since the last health check) is taken out of rotation and the next D is tried; a P answer
+   without params (nothing to hand over) sends the original request to D alone, which prefills it locally;
 4. D's response, streamed or not, goes back to the client unchanged; but D refusing P's params (a 400 on
    kv_transfer_params) is a deployment error, not the client's: the client gets a 502 naming it, and a proof that
    does not verify takes that P/D pair out of rotation (P and D hold different KV tokens); a D that breaks off
    a stream it began ends it with an error event and `[DONE]`;
 5. params no D took end their lease on P at once: when no D is left, D cannot be reached, D answers anything but
-   200 (D also releases what it refuses itself; the two are idempotent), or the client goes away before D's
+   200 (D also releases what it refuses itself; the two are idempotent), D answers 200 but says it took none of
+   the KV (`X-PD-KV-Unused`: it prefilled locally, e.g. over a KV link TLS breaks, which its own `done` would
+   travel too), or the client goes away before D's
    answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
    `/v1/kv/release` (in the background; should that fail too, the lease ends at its expiry).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
@@ -56,7 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 
-from pdserve.serve.router_timing import TtftSplit, parse_server_timing
+from pdserve.serve.router_timing import KV_UNUSED_HEADER, TtftSplit, parse_server_timing
 from pdserve.transfer.proof import NOT_VERIFIED
 
 logger = logging.getLogger("pdserve.router")
@@ -153,9 +156,9 @@ class Router:
         if why is not None:
             self.bad_pairs[key] = why
 
-    def _decode_for(self, p: Optional[Node]) -> Optional[Node]:
+    def _decode_for(self, p: Optional[Node], tried: tuple = ()) -> Optional[Node]:
         bad = () if p is None else tuple(d for d in self.decode.nodes if (p.url, d.url) in self.bad_pairs)
-        return self.decode.pick(bad)
+        return self.decode.pick(bad + tried)
 
     def _no_pair(self) -> Optional[str]:
         """Why no request can be served, when every healthy P's proofs fail on every healthy D (a deployment error:
@@ -270,14 +273,24 @@ class Router:
             if gone.done():  # the client left while P prefilled: no D will take these params
                 self._release(p_node, d_body, rid, "the client went away")
                 return Response(status_code=499)
-            node = self._decode_for(p_node if params else None)
-            if node is None:
-                self._release(p_node, d_body, rid, "no healthy decode node")
-                return error(503, "no healthy decode node", "service_unavailable")
-            node.in_flight += 1
-            req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
-            sending = asyncio.ensure_future(self.client.send(req, stream=True))
-            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+            tried: tuple = ()
+            while True:
+                node = self._decode_for(p_node if params else None, tried)
+                if node is None:
+                    self._release(p_node, d_body, rid, "no healthy decode node")
+                    return error(503, "no healthy decode node", "service_unavailable")
+                node.in_flight += 1
+                req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
+                sending = asyncio.ensure_future(self.client.send(req, stream=True))
+                await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not (sending.done() and isinstance(sending.exception(), httpx.ConnectError)):
+                    break
+                # nothing reached that D (it went down since the last health check): out of rotation until it
+                # answers /health again, and the request goes to another
+                node.in_flight -= 1
+                node.healthy, sending, tried = False, None, tried + (node,)
+                logger.warning("[%s] decode node %s refused the connection: out of rotation; trying another", rid,
+                               node.url)
         except asyncio.CancelledError:  # the router is shutting down
             if sending is not None:
                 sending.cancel()
@@ -305,6 +318,8 @@ class Router:
             node.in_flight -= 1
             return await self._refused(upstream, p_node, node)
         ok = upstream.status_code == 200
+        if ok and params and upstream.headers.get(KV_UNUSED_HEADER):
+            self._release(p_node, d_body, rid, f"decode node {node.url} prefilled locally")
         if ok and p_refused:
             logger.warning("[%s] prefill node %s refused the request (%s) that decode node %s serves: P and D are "
                            "configured differently (max_model_len, limits, API key?); D prefilled it", rid,

@@ -6,6 +6,11 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Histogram
 
+# D's answer to a P/D request carries this header when D took none of P's KV (it prefilled locally: a refused or
+# failed load, a lease gone, a KV link to P that TLS or a firewall breaks). D's own `done` to P travels that same
+# link, so the router releases P's lease over HTTP instead of leaving it to expire.
+KV_UNUSED_HEADER = "X-PD-KV-Unused"
+
 
 def parse_server_timing(header: Optional[str]) -> dict[str, float]:
     """{name: seconds} from a `Server-Timing` header (`name;dur=<ms>, ...`); parts without a duration are skipped."""

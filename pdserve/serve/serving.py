@@ -20,6 +20,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
 from pdserve.serve.protocol import GenerationRequest, ModelInfo, to_generation_request
 from pdserve.serve.responses import ResponseBuilder, sse
+from pdserve.serve.router_timing import KV_UNUSED_HEADER
 
 logger = logging.getLogger("pdserve.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -47,12 +48,15 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def server_timing(timing: Optional[dict]) -> dict:
+def server_timing(timing: Optional[dict], kv_unused: bool = False) -> dict:
     """A `Server-Timing` header (`name;dur=<ms>`, RFC's format) from the first token's engine timing
-    (engine_core._timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it."""
-    if not timing:
-        return {}
-    return {"Server-Timing": ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())}
+    (engine_core._timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it. With
+    `kv_unused` (D took none of P's KV, e.g. its KV link to P is broken, so D's own `done` may not reach P
+    either), KV_UNUSED_HEADER too: pdserve's router then releases P's lease over HTTP."""
+    out = {KV_UNUSED_HEADER: "1"} if kv_unused else {}
+    if timing:
+        out["Server-Timing"] = ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())
+    return out
 
 
 # SGLang-style fields vllm-router sets on every request it forwards (at their defaults unless a client set them).
@@ -90,7 +94,8 @@ class OpenAIServing:
                 first = await self._first(gen, request)
                 if first is None:
                     return Response(status_code=499)
-                headers = {**headers, **server_timing(next((r.timing for r in first if r.timing), None))}
+                headers = {**headers, **server_timing(next((r.timing for r in first if r.timing), None),
+                                                      any(r.kv_unused for r in first))}
             return StreamingResponse(self._stream(gen, builder, echo, first), media_type="text/event-stream",
                                      headers=headers)
         return await self._full(gen, builder, echo, request)
@@ -140,7 +145,7 @@ class OpenAIServing:
                 raise APIError(400, builder.error or "request refused", "kv_transfer_params")
             raise APIError(500, f"the request failed: {builder.error or 'engine error'}")
         logger.info("finished: %s, %d tokens", builder.finish_reason, len(builder.token_ids))
-        return JSONResponse(builder.full(echo), headers=server_timing(builder.timing))
+        return JSONResponse(builder.full(echo), headers=server_timing(builder.timing, builder.kv_unused))
 
     async def _stream(self, gen, builder: ResponseBuilder, echo: str, first_recs=None):
         async with aclosing(gen):

@@ -209,3 +209,42 @@ def test_a_failed_start_up_is_reported_not_hung(qwen3_tiny):
         assert exc.value.status == 503 and "not running" in exc.value.message
         await asyncio.wait_for(ae.shutdown(timeout=5), 15)
     asyncio.run(main())
+
+
+def test_a_stuck_engine_loop_is_seen_and_its_queries_time_out_as_503(qwen3_tiny):
+    """A step that does not return (a hung kernel, a stopped engine process): the loop is alive and has no error,
+    so only its unanswered liveness ping shows it (what /health reads), and a query times out as a 503 naming
+    the engine, not a TimeoutError the server would answer with a 500. Once the step returns, all is as before."""
+    async def main():
+        ae = AsyncEngine(config(qwen3_tiny), backend="thread")
+        ae.start()
+        await asyncio.wait_for(ae.wait_started(), 60)
+        assert ae.stalled_for() == 0.0
+        await asyncio.sleep(0.2)
+        assert ae.stalled_for() == 0.0  # an idle loop answers at once
+        eng = ae._threads[0]._target.__self__.engine
+        step, gate, entered = eng.step, threading.Event(), threading.Event()
+
+        def stuck():
+            entered.set()
+            gate.wait(TIMEOUT)
+            return step()
+        eng.step = stuck
+        st = ae.submit("r", [5, 6, 7], SP, time.monotonic())
+        await asyncio.to_thread(entered.wait, TIMEOUT)
+        ae.stalled_for()  # a ping is out: this one, or the last one, which waits for the step's end
+        await asyncio.sleep(0.3)
+        assert ae.stalled_for() >= 0.3
+        with pytest.raises(APIError) as exc:
+            await ae.query("kv", timeout=0.2)
+        assert exc.value.status == 503 and "did not answer within 0.2 s" in exc.value.message
+        eng.step = step
+        gate.set()
+        recs = [r async for batch in ae.stream(st) for r in batch]
+        assert recs[-1].finish_reason == "length" and sum(len(r.new_token_ids) for r in recs) == 4
+        await asyncio.sleep(0.3)
+        assert ae.stalled_for() < 0.3  # the ping out during the stuck step was answered
+        kv = await ae.query("kv", timeout=5)
+        assert kv["used_blocks"] == 0 and kv["invariants_ok"]
+        await asyncio.wait_for(ae.shutdown(timeout=5), 15)
+    asyncio.run(main())

@@ -1,8 +1,10 @@
 """Server life cycle: admission control (--max-waiting -> 503), graceful shutdown on SIGTERM with a request in flight
-(aborted cleanly after --shutdown-timeout, exit 0, nothing left running), and the process engine backend on SIGINT."""
+(aborted cleanly after --shutdown-timeout, exit 0, nothing left running), the process engine backend on SIGINT, and
+/health going 503 while the engine process is stopped (SIGSTOP), 200 again after SIGCONT."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -73,9 +75,34 @@ def test_max_waiting_then_sigterm(server):
     assert "draining" in log and "shut down cleanly" in log and "Traceback" not in log
 
 
+def engine_child(server_pid: int) -> int:
+    """The pid of the server's engine process (a multiprocessing spawn child)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if ppid == server_pid and b"spawn_main" in cmd:
+                return int(d)
+    raise AssertionError(f"no engine process under pid {server_pid}")
+
+
+def health_becomes(url: str, status: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(url + "/health", timeout=5).status_code == status:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_process_backend_sigint(qwen3_tiny):
     srv = ServerProcess(qwen3_tiny, "--engine-backend", "process", "--enable-debug-routes",
-                        "--max-model-len", "512", "--num-gpu-blocks-override", "128")
+                        "--max-model-len", "512", "--num-gpu-blocks-override", "128", "--engine-stall-timeout", "1")
     try:
         srv.wait_healthy()
         assert srv.seen_503_before_ready  # the socket opens before the engine process is up: /health said 503
@@ -86,6 +113,14 @@ def test_process_backend_sigint(qwen3_tiny):
         assert k["used_blocks"] == 0 and k["invariants_ok"]
         m = httpx.get(srv.url + "/metrics", timeout=10).text
         assert "pdserve_cudagraph_steps_total" in m
+        # a stopped engine process is alive and has sent no error: /health sees its unanswered ping
+        child = engine_child(srv.proc.pid)
+        os.kill(child, signal.SIGSTOP)
+        try:
+            assert health_becomes(srv.url, 503, 10)
+        finally:
+            os.kill(child, signal.SIGCONT)
+        assert health_becomes(srv.url, 200, 10)
         assert srv.stop(signal.SIGINT, timeout=30) == 0
         deadline = time.monotonic() + 5
         while group_alive(srv.pgid) and time.monotonic() < deadline:
@@ -99,7 +134,6 @@ def test_process_backend_drains_when_the_whole_group_gets_sigterm(qwen3_tiny):
     """systemd's default KillMode, `kill -TERM -<pgid>` and container inits signal the server and its engine child
     alike: a stream in flight still finishes (the child ignores SIGTERM and waits for the server's stop), and
     everything exits 0. Before, the child died at once and the stream ended with "the engine process exited"."""
-    import os
     srv = ServerProcess(qwen3_tiny, "--engine-backend", "process", "--max-model-len", "512",
                         "--num-gpu-blocks-override", "128", "--shutdown-timeout", "20")
     try:

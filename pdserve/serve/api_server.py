@@ -147,7 +147,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.serving is not None and state.engine.ready and state.engine.accepting:
-            return Response(status_code=200)
+            stalled = state.engine.stalled_for()
+            if stalled < state.cfg.engine_stall_timeout:
+                return Response(status_code=200)
+            return JSONResponse({"status": f"engine loop not answering for {stalled:.0f} s"}, status_code=503)
         why = "shutting down" if not state.engine.accepting else \
             "engine not running" if state.engine.error or (state.engine.info and not state.engine.ready) else \
             "starting up"

@@ -55,6 +55,7 @@ class AsyncEngine:
         self._proc = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._started = asyncio.Event()
+        self._ping_sent: Optional[float] = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -116,6 +117,27 @@ class AsyncEngine:
         if self._proc is not None and not self._proc.is_alive():
             return False
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine loop has left a liveness ping unanswered; sends one when none is out. The loop answers
+        between steps, so a long wait means it is stuck inside one (or its process is stopped), which neither
+        `alive()` nor `error` can see."""
+        now = time.monotonic()
+        if self._ping_sent is not None:
+            return now - self._ping_sent
+        if self.ready:
+            qid = next(self._qids)
+            fut = self._loop.create_future()
+            self._queries[qid] = fut
+            fut.add_done_callback(self._pinged)
+            self._ping_sent = now
+            self._inbox.put(("query", qid, "ping"))
+        return 0.0
+
+    def _pinged(self, fut: asyncio.Future) -> None:
+        self._ping_sent = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: an engine that died is reported by `error`
 
     async def wait_started(self) -> None:
         """Wait until start-up is done (raises if it failed)."""
@@ -307,6 +329,8 @@ class AsyncEngine:
         self._inbox.put((op, qid, arg))
         try:
             return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:  # busy in a long step, or stuck: the server's side is fine, so not a 500
+            raise APIError(503, f"the engine loop did not answer within {timeout:g} s") from None
         finally:
             self._queries.pop(qid, None)
 

@@ -237,6 +237,9 @@ class EngineCore:
                 "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer,
                 "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}
 
+    def _q_ping(self) -> bool:
+        return True
+
     def _q_kv_probe(self) -> Optional[dict]:
         return self.engine.kv_probe()
 

@@ -25,6 +25,9 @@ class ServerConfig:
     max_body_bytes: int = _f(16 * 2**20, "Largest request body in bytes; larger ones are refused with 413.")
     shutdown_timeout: float = _f(30.0, "On SIGTERM/SIGINT, seconds to let in-flight requests finish before they "
                                        "are aborted.")
+    engine_stall_timeout: float = _f(30.0, "/health answers 503 once the engine loop has left a liveness ping "
+                                           "unanswered this many seconds (it answers between steps, so only a stuck or "
+                                           "stopped loop takes that long).")
     enable_debug_routes: bool = _f(False, "Serve /debug/kv (KV block counts and the engine's invariant check).")
     engine_backend: EngineBackend = _f("thread", "Run the engine loop in a background thread of the server "
                                                  "process, or in a separate process.")
@@ -38,3 +41,5 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.engine_stall_timeout > 0:
+            raise ValueError(f"engine_stall_timeout must be > 0, got {self.engine_stall_timeout}")

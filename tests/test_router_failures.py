@@ -1,5 +1,6 @@
 """The router's answers when a node misbehaves, against fake P and D nodes (an httpx MockTransport: no engines):
-a P whose own P/D set-up refuses the prefill (a deployment error: the next P, else a 502, never the client's 4xx);
+a P whose own P/D set-up refuses the prefill (a deployment error: the next P, else a 502, never the client's 4xx;
+that P is then tried last for a while);
 a P that refuses the client's fields (D, which answers the same client errors, decides: a shorter max_model_len on
 P no longer refuses what D serves); a D that breaks off a stream it began (an error event and [DONE], no
 traceback) or a whole answer (a 502, not half a body under a 200)."""
@@ -58,7 +59,9 @@ class Nodes:
 def routed(nodes: Nodes, prefill: list[str]):
     router = Router(prefill, [D], "round-robin", health_interval=3600)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
-    return TestClient(build_app(router))
+    client = TestClient(build_app(router))
+    client.router = router
+    return client
 
 
 def ok_p(body):
@@ -183,3 +186,41 @@ def test_a_decode_node_that_refuses_the_connection_is_passed_over():
             assert r.status_code == 200 and r.json()["got_params"], r.text
     assert [n.healthy for n in router.decode.nodes] == [False, True]
     assert [u for u, path, _ in nodes.calls if path == "/v1/completions"] == [P1, D2] * 3
+
+
+def test_a_p_refusing_pd_prefills_is_tried_last_until_its_hold_ends(monkeypatch):
+    """After P1 refuses a P/D prefill, the next requests go to P2 without asking P1 (each used to pay P1's round
+    trip and an error line); once its hold ends P1 is asked again, and a P/D prefill it serves clears the hold."""
+    from pdserve.serve import router as router_mod
+    monkeypatch.setattr(router_mod, "PD_REFUSAL_HOLD", 0.5)
+    broken = [True]
+    p1 = lambda body: err(400, NO_CONNECTOR, "kv_transfer_params") if broken[0] else ok_p(body)  # noqa: E731
+    nodes = Nodes({P1: p1, P2: ok_p}, ok_d)
+    with routed(nodes, [P1, P2]) as c:
+        def asked():
+            nodes.calls.clear()
+            r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["got_params"], r.text
+            return [u for u, _, _ in nodes.calls if u != D]
+        firsts = [asked() for _ in range(4)]
+        i = firsts.index([P1, P2])  # P1 refused once...
+        assert firsts[i + 1:] == [[P2]] * (3 - i)  # ...then was skipped
+        broken[0] = False
+        time.sleep(0.6)
+        assert P1 in [asked()[0] for _ in range(2)]  # the hold is over: P1 is asked again, and serves
+        assert all(n.refused_pd_until == 0.0 for n in c.router.prefill.nodes)
+
+
+def test_with_every_p_held_they_are_still_asked():
+    """A lone P that refused P/D prefills is still asked (it may be fixed): the answer stays a 502 naming the
+    refusal while it refuses, a 200 once it serves."""
+    broken = [True]
+    p1 = lambda body: err(400, NO_CONNECTOR, "kv_transfer_params") if broken[0] else ok_p(body)  # noqa: E731
+    nodes = Nodes({P1: p1}, ok_d)
+    with routed(nodes, [P1]) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+            assert r.status_code == 502 and "no KV connector" in r.json()["error"]["message"]
+        broken[0] = False
+        r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["got_params"], r.text

@@ -6,8 +6,10 @@ Lifecycle of a request:
    `max_tokens=1`, `stream=false`, `ignore_eos=true`, no stop conditions, `kv_transfer_params={"do_remote_decode":
    true}`; a P that fails before answering (connection error, 5xx) is retried on another P, and so is a P that
    refuses the P/D prefill itself (a 4xx on kv_transfer_params: no KV connector, a decode node), a deployment
-   error answered 502 when no P is left; a P refusing the client's own fields sends the request to D alone, which
-   answers the same client errors (or serves it where P and D are configured differently); a one-token token-id
+   error answered 502 when no P is left; that P is then tried last for 30 s (`PD_REFUSAL_HOLD`, or until its
+   /health goes down and back), so later requests skip the round trip; a P refusing the client's own fields
+   sends the request to D alone, which answers the same client errors (or serves it where P and D are
+   configured differently); a one-token token-id
    prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
    params and D prefills it);
 3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
@@ -64,6 +66,7 @@ from pdserve.transfer.proof import NOT_VERIFIED
 
 logger = logging.getLogger("pdserve.router")
 STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")
+PD_REFUSAL_HOLD = 30.0  # s a P that refused the P/D prefill itself is passed over while another P is left
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Node:
     url: str
     healthy: bool = True
     in_flight: int = 0
+    refused_pd_until: float = 0.0  # monotonic time: a P whose P/D set-up refused a prefill, tried last until then
 
 
 @dataclass
@@ -121,6 +125,7 @@ class Router:
                     ok = False
                 if ok != node.healthy:
                     logger.warning("node %s is %s", node.url, "back" if ok else "down: taken out of rotation")
+                    node.refused_pd_until = 0.0  # back from a restart, perhaps with its P/D set-up fixed
                 node.healthy = ok
             await self.probe_pairs()
             await asyncio.sleep(self.health_interval)
@@ -182,8 +187,11 @@ class Router:
         p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
         p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
         tried: tuple = self._prefill_exclusions()
+        now = time.monotonic()
+        held = tuple(n for n in self.prefill.nodes if n.refused_pd_until > now)
         setup_error = ""
-        while (node := self.prefill.pick(tried)) is not None:
+        # held Ps only when no other is left: they may be fixed by now, and without them the answer is a 502 anyway
+        while (node := self.prefill.pick(tried + held) or self.prefill.pick(tried)) is not None:
             tried += (node,)
             node.in_flight += 1
             try:
@@ -199,7 +207,10 @@ class Router:
                 msg, param = _error_of(r)
                 if param == "kv_transfer_params":  # P's own P/D set-up refused (no KV connector, a decode node)
                     setup_error = f"prefill node {node.url} refused the P/D prefill: {msg}"
-                    logger.error("[%s] %s (a deployment error); trying another", headers["X-Request-Id"], setup_error)
+                    log = logger.debug if node.refused_pd_until > now else logger.error  # once per hold
+                    log("[%s] %s (a deployment error): tried last for %.0f s; trying another", headers["X-Request-Id"],
+                        setup_error, PD_REFUSAL_HOLD)
+                    node.refused_pd_until = time.monotonic() + PD_REFUSAL_HOLD
                     continue
                 # P refused the client's fields: D, which answers the same client errors, decides (P and D may
                 # be configured differently, e.g. a shorter max_model_len on P: D then prefills locally)
@@ -210,6 +221,7 @@ class Router:
                 logger.warning("[%s] prefill node %s answered unreadable JSON (%s); trying another",
                                headers["X-Request-Id"], node.url, e)
                 continue
+            node.refused_pd_until = 0.0
             return params, node, parse_server_timing(r.headers.get("server-timing")), None, ""
         if setup_error:  # never a 4xx: the client's request was not at fault
             return None, None, {}, error(502, setup_error, "bad_gateway"), ""

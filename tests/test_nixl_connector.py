@@ -312,3 +312,25 @@ def test_missing_nixl_is_a_clear_start_error(qwen3_tiny, monkeypatch):
     with pytest.raises(RuntimeError, match=r"kv_connector NixlConnector.*pip install --no-deps nixl-cu12==1\.5\.1 "
                                            r"nixl==1\.5\.1"):
         consumer(qwen3_tiny)
+
+
+@needs_nixl
+def test_a_load_failing_before_its_claim_releases_the_lease_at_once(pd, collocated, monkeypatch):
+    """D's claim fails (here P's answer is refused): the load fails by policy (recompute) and D sends P a bare
+    `done`, so the lease ends now; before, nothing was sent and P held the blocks until the lease expired."""
+    from pdserve.transfer.protocol import ProtocolError
+    p, d = pd
+    pc, nc = p.engine.connector, d.engine.connector.consumer
+
+    def refused(session, endpoint, job, until):
+        raise ProtocolError(f"producer answered 'busy' to the claim of transfer {job.params['transfer_id']}")
+    monkeypatch.setattr(nc, "_claim", refused)
+    failed0 = nc.stats.failures.get("ProtocolError", 0)
+    params = prefill_on(p, PROMPTS[:2])
+    assert len(pc.leases) == 2
+    assert tokens(finish(d, PROMPTS[:2], params)) == collocated[:2]  # recomputed on D
+    assert nc.stats.failures["ProtocolError"] - failed0 == 2
+    end = time.monotonic() + 5
+    while pc.leases and time.monotonic() < end:
+        p.engine.step() if p.engine.has_unfinished_requests() else time.sleep(0.01)
+    assert not pc.leases  # released by D's done, long before their expiry

@@ -699,3 +699,25 @@ def test_tcp_consumer_leaves_params_another_connector_made(qwen3_tiny):
                 assert not conn.consumer._queued and not conn.has_pending()
     finally:
         d.engine.shutdown()
+
+
+def test_a_stopping_decode_node_still_tells_p_done_for_what_it_aborted(pd):
+    """D stops with P/D requests queued (the engine loop's stop aborts them): each abort queues a bare `done`,
+    more of them than D's four workers for that P, and shutdown gives them time to reach P (before, those not yet
+    started were dropped and P held their blocks until the lease expired)."""
+    p, d = pd
+    prompts = PROMPTS[:4] * 3
+    params = prefill_on(p, prompts)
+    assert len(p.engine.connector.leases) == len(prompts)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, (prompt, kp) in enumerate(zip(prompts, params)):
+        d.engine.add_request(prompt, sp, request_id=f"d{i}", kv_transfer_params=kp)
+    for i in range(len(prompts)):
+        d.engine.abort_request(f"d{i}")
+    d.engine.shutdown()
+    end = time.monotonic() + 5
+    while p.engine.connector.leases and time.monotonic() < end:
+        p.engine.step() if p.engine.has_unfinished_requests() else time.sleep(0.01)
+    assert not p.engine.connector.leases
+    drain(p)
+    assert_whole(p)

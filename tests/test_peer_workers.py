@@ -71,3 +71,27 @@ def test_peers_past_the_cap_share_one_pool_and_idle_pools_are_shut(monkeypatch):
         busy.result(5)
     finally:
         w.shutdown()
+
+
+def test_shutdown_gives_submitted_work_its_grace_then_drops_the_rest():
+    """A stopping D's last `done`s (queued by its aborts) get `grace` to reach P; what still waits after it is
+    dropped, so a hung P cannot hold the shutdown up."""
+    w = PeerWorkers(1, "t")
+    ran = []
+    w.submit("a", time.sleep, 0.1)
+    w.submit("a", ran.append, "done after the sleep")  # queued behind it on the peer's one worker
+    t0 = time.monotonic()
+    w.shutdown(grace=2.0)
+    assert ran == ["done after the sleep"] and time.monotonic() - t0 < 1.5
+    with pytest.raises(RuntimeError):
+        w.submit("a", ran.append, "late")
+    gate = threading.Event()
+    w = PeerWorkers(1, "t")
+    w.submit("hung", gate.wait, 10)
+    w.submit("hung", ran.append, "never")
+    t0 = time.monotonic()
+    w.shutdown(grace=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    gate.set()
+    time.sleep(0.1)
+    assert "never" not in ran

@@ -31,7 +31,8 @@ Consumer (D) lifecycle of a request (nixl_consumer.py):
 4. a poller thread follows each read: DONE within its deadline (kv_transfer_timeout from the load's start, and never
    past the claim's hold) reports the load done; ERR (P died: ~20 ms after a SIGKILL) reports it failed (and tells
    P `done`, should it live), and the scheduler's failure policy recomputes or fails the request; any failure
-   before the post (handshake refused, lease expired, P unreachable) is a failed load too; still in flight at the
+   before the post (handshake refused, lease expired, P unreachable) is a failed load too, and one before the claim
+   sends P a bare `done` (its lease ends now, if P hears it); still in flight at the
    deadline (a hung P), the policy runs at once, but the blocks under the read move to a stand-in in the
    scheduler's deferred_free, freed only once the read ends: a posted read cannot be cancelled and would write
    them whenever P answers;

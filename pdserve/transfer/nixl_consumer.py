@@ -23,7 +23,7 @@ from pdserve.transfer.nixl_peers import AgentPeers
 from pdserve.transfer.peer_workers import PeerWorkers, peer_of
 from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
 from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
-from pdserve.transfer.tcp_consumer import TcpConsumer
+from pdserve.transfer.tcp_consumer import SHUTDOWN_GRACE, TcpConsumer
 
 logger = logging.getLogger("pdserve.transfer")
 NAME = "NixlConnector"  # params P made carry it, so a MultiConnector's tcp child leaves them to this one
@@ -136,6 +136,9 @@ class NixlConsumer:
             if claim is not None:  # claimed, nothing posted: P may free the blocks now
                 self.peers.release(claim[0], suspect=isinstance(e, NixlError))
                 self._tell_done(endpoint, tid)
+            elif endpoint is not None:  # never claimed (P unreachable, the claim refused): a bare `done` ends the
+                with suppress(RuntimeError):  # plain lease now, if P hears it, rather than at expiry (shut down?)
+                    self.tcp.release_remote(job.params, job.request_id)
         finally:
             with self._cv:
                 self._loading -= 1
@@ -251,5 +254,5 @@ class NixlConsumer:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._loaders.shutdown()
+        self._loaders.shutdown(grace=SHUTDOWN_GRACE)
         self.tcp.shutdown()

@@ -64,9 +64,18 @@ class PeerWorkers:
             self._pools.pop(peer).shutdown(wait=False)
             del self._busy[peer], self._last[peer]
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace: float = 0.0) -> None:
+        """No new work; what was submitted gets up to `grace` s to finish (a `done` queued by the aborts of a
+        stopping engine, which would otherwise leave P's lease to expire), then what has not started is dropped."""
         with self._lock:
             self._closed = True
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(self._busy.values()):
+                    break
+            time.sleep(0.005)
+        with self._lock:
             pools, self._pools = list(self._pools.values()), {}
             self._busy.clear()
         for pool in pools:

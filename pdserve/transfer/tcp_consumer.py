@@ -19,7 +19,8 @@ Consumer (D) lifecycle of a request:
    scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
    (params rejected, the lease ran out while blocks were short, all cached here) still sends P a bare `done` for
    its lease, and so does a request D refuses or drops before asking for its load (a 400 or 503 answer, an abort
-   while queued): `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`.
+   while queued): `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`;
+   a stopping D gives the `done`s its last aborts queued up to SHUTDOWN_GRACE to go out.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from pdserve.transfer.tcp_blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
 from pdserve.transfer.tcp_pool import SessionPool
 
 logger = logging.getLogger("pdserve.transfer")
+SHUTDOWN_GRACE = 2.0  # s a stopping D gives its queued `done`s (and loads) before dropping them
 
 
 class TcpConsumer:
@@ -208,5 +210,5 @@ class TcpConsumer:
             return bool(self._inflight or self._done or self._failed or self._queued)
 
     def shutdown(self) -> None:
-        self._loaders.shutdown()
+        self._loaders.shutdown(grace=SHUTDOWN_GRACE)
         self.pool.close()

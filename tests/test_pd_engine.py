@@ -578,18 +578,34 @@ def test_pd_over_tls_equals_collocated(tls_p, certs, qwen3_tiny, collocated):
 
 
 @pytest.mark.parametrize("d_tls", ["none", "wrong_ca"])
-def test_tls_mismatch_fails_cleanly_and_recomputes(tls_p, certs, qwen3_tiny, collocated, caplog, d_tls):
-    """D without TLS, or trusting another CA, against a TLS P: refused at once, D prefills locally."""
+def test_tls_mismatch_fails_cleanly_and_recomputes(tls_p, certs, qwen3_tiny, collocated, caplog, d_tls, monkeypatch):
+    """D without TLS, or trusting another CA, against a TLS P: refused at once, D prefills locally. The refusal is
+    held (tcp_pool.REFUSED_HOLD): the requests' later lease checks, loads and `done`s fail without dialing again
+    (before: three handshakes per request, each with its log line)."""
+    import ssl
+
+    from pdserve.transfer import tcp_pool
+    from pdserve.transfer.protocol import ProtocolError
     p = tls_p
     d = consumer(qwen3_tiny, **({"kv_tls_ca": certs[1][0]} if d_tls == "wrong_ca" else {}))
-    params = prefill_on(p, PROMPTS[:2])
+    params = prefill_on(p, PROMPTS[:4])
+    dials, dial = [], tcp_pool.dial
+    monkeypatch.setattr(tcp_pool, "dial", lambda *a, **kw: dials.append(a[:2]) or dial(*a, **kw))
     t0 = time.monotonic()
     with caplog.at_level("WARNING", logger="pdserve.transfer"):
-        out = decode_on(d, PROMPTS[:2], params)
+        out = decode_on(d, PROMPTS[:4], params)
     assert time.monotonic() - t0 < 5
-    assert [out[i].outputs[0].token_ids for i in range(2)] == collocated[:2]
-    assert d.engine.connector.stats.bytes_received == 0 and sum(d.engine.connector.stats.failures.values()) == 2
+    assert [out[i].outputs[0].token_ids for i in range(4)] == collocated[:4]
+    assert d.engine.connector.stats.bytes_received == 0 and sum(d.engine.connector.stats.failures.values()) == 4
     assert ("require TLS" if d_tls == "none" else "CERTIFICATE_VERIFY_FAILED") in caplog.text
+    assert 1 <= len(dials) <= 4, dials  # 4 loads (at once, on 4 workers), then 4 dones held
+    n = len(dials)
+    with pytest.raises(ProtocolError if d_tls == "none" else ssl.SSLError, match="not redialed"):
+        d.engine.connector.check_remote(params[0])
+    monkeypatch.setattr(tcp_pool, "REFUSED_HOLD", 0.0)  # the hold is over: P may be fixed by now
+    with pytest.raises(ProtocolError if d_tls == "none" else ssl.SSLError):
+        d.engine.connector.check_remote(params[0])
+    assert len(dials) == n + 1
     expire_leases(p)
     drain(p)
     assert_whole(p, d)

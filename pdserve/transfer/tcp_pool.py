@@ -4,7 +4,10 @@ A transfer checks one session out, alone: its Deadline may shut that socket and 
 failure the session is dropped and the next transfer dials anew. P closes sessions idle `idle_seconds` (60 s by
 default); this side reuses only those idle for less than `max_idle` (half of that), retires them at `max_age`, and
 catches one P closed anyway (restarted, or idled out early) before use, by its readable socket, or, racing, redoes
-the operation once on a fresh session when the reused one failed before any answer.
+the operation once on a fresh session when the reused one failed before any answer. A handshake refused outright
+(P's certificate does not verify, TLS on one side only, another KV token or layout: a deployment error) is not
+redialed for REFUSED_HOLD: until then each call fails at once with the same error, rather than every request
+paying its lease check's, load's and `done`'s handshakes (and log lines) to learn it again.
 """
 from __future__ import annotations
 
@@ -16,13 +19,14 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pdserve.transfer.protocol import Session
+from pdserve.transfer.protocol import ProtocolError, Session
 from pdserve.transfer.tcp_channel import IDLE_SECONDS, MAX_AGE, Deadline, dial
 
 logger = logging.getLogger("pdserve.transfer")
 PER_PEER = 4  # idle sessions kept per producer endpoint (one per loader thread)
 # A reused session that fails this way before any answer was most likely closed by P while idle: redo on a fresh one.
 STALE = (ConnectionError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+REFUSED_HOLD = 5.0
 
 
 class SessionPool:
@@ -35,6 +39,7 @@ class SessionPool:
         self.per_peer, self.max_idle, self.max_age = per_peer, max_idle, max_age
         self.handshakes = self.redials = 0  # sessions dialed; of them, redials of an operation a stale session failed
         self._idle: dict[tuple, list[tuple[Session, float]]] = {}
+        self._refused: dict[tuple, tuple[BaseException, float]] = {}  # peer -> (its handshake's refusal, when)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -75,9 +80,21 @@ class SessionPool:
             return out
 
     def _dial(self, peer: tuple, until: float) -> Session:
-        session = dial(*peer, self.token, self.compat, until, self.tls, self.wait_timeout)
+        with self._lock:
+            refused, when = self._refused.get(peer, (None, 0.0))
+        ago = time.monotonic() - when
+        if refused is not None and ago < REFUSED_HOLD:
+            raise type(refused)(f"{refused} (handshake refused {ago:.1f} s ago: not redialed for {REFUSED_HOLD:g} s)")
+        try:
+            session = dial(*peer, self.token, self.compat, until, self.tls, self.wait_timeout)
+        except (ProtocolError, ssl.SSLError) as e:
+            if not isinstance(e, STALE):  # an EOF may be P going away: only an outright refusal is held
+                with self._lock:
+                    self._refused[peer] = (e, time.monotonic())
+            raise
         with self._lock:
             self.handshakes += 1
+            self._refused.pop(peer, None)
         return session
 
     def _checkout(self, peer: tuple) -> Optional[Session]:

@@ -161,3 +161,36 @@ def test_process_backend_drains_when_the_whole_group_gets_sigterm(qwen3_tiny):
         assert srv.proc.wait(30) == 0
     finally:
         srv.cleanup()
+
+
+def test_a_dead_engine_ends_its_streams_with_an_error_and_the_server_exits_1(qwen3_tiny):
+    """The engine process SIGKILLed mid-stream: the stream ends with an error event and [DONE], and the server
+    exits 1 (as vLLM's) so that a supervisor restarts it; before, it stayed up answering 503 for good."""
+    srv = ServerProcess(qwen3_tiny, "--engine-backend", "process", "--max-model-len", "512",
+                        "--num-gpu-blocks-override", "128")
+    try:
+        srv.wait_healthy()
+        lines: list = []
+        started = threading.Event()
+
+        def stream():
+            body = {"prompt": "import os", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        os.kill(engine_child(srv.proc.pid), signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive() and lines[-1] == "[DONE]", lines[-3:]
+        assert "the engine process exited" in json.loads(lines[-2])["error"]["message"]
+        assert srv.proc.wait(30) == 1
+        deadline = time.monotonic() + 5
+        while group_alive(srv.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(srv.pgid), "a process of the server outlived it"
+    finally:
+        srv.cleanup()

@@ -5,7 +5,8 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /m
 background after the socket is open, so /health answers 503 until start-up is done. SIGTERM/SIGINT: stop
 accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the rest; a P/D producer then
 serves its open KV leases until decode nodes confirm them or they expire, within the same timeout; stop the engine
-loop, exit 0.
+loop, exit 0. An engine that dies (its loop raised, its process was killed) fails the requests in flight with an
+error, and the server exits 1, as vLLM's does, so that its supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class ServerState:
         self.serving: Optional[OpenAIServing] = None
         self.created = int(time.time())
         self.startup_failed = False
+        self.engine_died = False
         self.drain: Optional[asyncio.Future] = None  # started by the first SIGTERM/SIGINT
 
     async def on_engine_ready(self, server=None) -> None:
@@ -73,6 +75,12 @@ class ServerState:
                                                             info.has_kv_connector))
         logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s", info.max_model_len,
                     info.num_blocks, info.device, self.cfg.engine_backend)
+        await self.engine.wait_died()
+        if server is not None and not server.should_exit:  # not a shutdown's own stop: as vLLM, exit non-zero
+            # so a supervisor restarts the server; uvicorn's graceful exit lets the error answers go out first
+            logger.error("%s: the server exits (code 1)", self.engine.error)
+            self.engine_died = True
+            server.should_exit = True
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -208,7 +216,8 @@ class _Server:
 
 
 def run_server(engine_config, cfg: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a clean shutdown)."""
+    """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a clean shutdown, 1 if the engine
+    failed to start or died)."""
     import uvicorn
     cfg.validate()
     configure_logging(cfg.log_level)
@@ -225,7 +234,7 @@ def run_server(engine_config, cfg: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: None)
     server.run()
-    if state.startup_failed:
+    if state.startup_failed or state.engine_died:
         return 1
     logger.info("shut down cleanly")
     return 0

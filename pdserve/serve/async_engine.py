@@ -55,6 +55,7 @@ class AsyncEngine:
         self._proc = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._started = asyncio.Event()
+        self._died = asyncio.Event()  # the engine loop ended after start-up (it never ends on its own otherwise)
         self._ping_sent: Optional[float] = None
 
     # ------------------------------------------------------------------ life cycle
@@ -117,6 +118,11 @@ class AsyncEngine:
         if self._proc is not None and not self._proc.is_alive():
             return False
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    async def wait_died(self) -> None:
+        """Returns if the engine loop ends after start-up: it died (an exception, its process killed), or was
+        stopped on purpose (a process backend's child then exits too)."""
+        await self._died.wait()
 
     def stalled_for(self) -> float:
         """Seconds the engine loop has left a liveness ping unanswered; sends one when none is out. The loop answers
@@ -215,6 +221,8 @@ class AsyncEngine:
             self._started.set()
         elif isinstance(obj, BaseException):
             self.error = obj
+            if self.info is not None:
+                self._died.set()
             self._started.set()
             self._fail_all(str(obj))
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pdserve.serve.router import Pool
+from pdserve.serve.router_nodes import Pool
 from pdserve.serve.router_timing import parse_server_timing
 from pdserve.transfer.proof import sign_params
 from pdserve.transfer.tcp import prompt_hash

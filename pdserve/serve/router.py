@@ -47,12 +47,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Optional
 
 import httpx
@@ -61,36 +59,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 
+from pdserve.serve.router_nodes import Fleet, Node, error_of
 from pdserve.serve.router_timing import KV_UNUSED_HEADER, TtftSplit, parse_server_timing
 from pdserve.transfer.proof import NOT_VERIFIED
 
 logger = logging.getLogger("pdserve.router")
 STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")
 PD_REFUSAL_HOLD = 30.0  # s a P that refused the P/D prefill itself is passed over while another P is left
-
-
-@dataclass
-class Node:
-    url: str
-    healthy: bool = True
-    in_flight: int = 0
-    refused_pd_until: float = 0.0  # monotonic time: a P whose P/D set-up refused a prefill, tried last until then
-
-
-@dataclass
-class Pool:
-    nodes: list[Node]
-    policy: str
-    _rr: itertools.count = field(default_factory=itertools.count)
-
-    def pick(self, exclude: tuple = ()) -> Optional[Node]:
-        live = [n for n in self.nodes if n.healthy and n not in exclude]
-        if not live:
-            return None
-        i = next(self._rr) % len(live)
-        if self.policy == "least-loaded":  # ties in turn, or a lightly loaded pool would send all to the first
-            return min(live[i:] + live[:i], key=lambda n: n.in_flight)
-        return live[i]
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -103,82 +78,14 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-class Router:
+class Router(Fleet):
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
                  timeout: float = 600.0):
-        self.prefill = Pool([Node(u.rstrip("/")) for u in prefill], policy)
-        self.decode = Pool([Node(u.rstrip("/")) for u in decode], policy)
-        self.bad_pairs: dict[tuple[str, str], str] = {}  # (P url, D url) -> why P's proofs fail on that D
-        self.health_interval = health_interval
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        super().__init__(prefill, decode, policy, health_interval, timeout)
         self.registry = CollectorRegistry()
         self.ttft = TtftSplit(self.registry)
         self._releases: set[asyncio.Task] = set()
 
-    async def health_loop(self) -> None:
-        while True:
-            for node in self.prefill.nodes + self.decode.nodes:
-                try:
-                    r = await self.client.get(node.url + "/health", timeout=2.0)
-                    ok = r.status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                if ok != node.healthy:
-                    logger.warning("node %s is %s", node.url, "back" if ok else "down: taken out of rotation")
-                    node.refused_pd_until = 0.0  # back from a restart, perhaps with its P/D set-up fixed
-                node.healthy = ok
-            await self.probe_pairs()
-            await asyncio.sleep(self.health_interval)
-
-    async def probe_pairs(self) -> None:
-        """Each healthy P's probe to each healthy D: a pair where P's proofs would not verify (D answers 409) goes out
-        of rotation. Any other answer (a node without the route, a 5xx) leaves the pair as it was: only a definite
-        mismatch takes a pair out, and traffic finds the rest (`_refused`)."""
-        for p in (n for n in self.prefill.nodes if n.healthy):
-            try:
-                r = await self.client.get(p.url + "/v1/kv/probe", timeout=2.0)
-                probe = r.json().get("probe") if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, AttributeError):
-                probe = None
-            if probe is None:
-                continue
-            for d in (n for n in self.decode.nodes if n.healthy):
-                try:
-                    r = await self.client.post(d.url + "/v1/kv/probe", json={"probe": probe}, timeout=2.0)
-                except httpx.HTTPError:
-                    continue
-                if r.status_code in (200, 409):
-                    self._mark_pair(p, d, None if r.status_code == 200 else f"probe failed: {_message(r)}")
-
-    def _mark_pair(self, p: Node, d: Node, why: Optional[str]) -> None:
-        key = (p.url, d.url)
-        if why is None and key in self.bad_pairs:
-            del self.bad_pairs[key]
-            logger.warning("prefill node %s -> decode node %s: P's KV proofs verify on D again; back in rotation",
-                           p.url, d.url)
-        elif why is not None and self.bad_pairs.get(key) is None:
-            logger.error("prefill node %s -> decode node %s taken out of rotation: %s", p.url, d.url, why)
-        if why is not None:
-            self.bad_pairs[key] = why
-
-    def _decode_for(self, p: Optional[Node], tried: tuple = ()) -> Optional[Node]:
-        bad = () if p is None else tuple(d for d in self.decode.nodes if (p.url, d.url) in self.bad_pairs)
-        return self.decode.pick(bad + tried)
-
-    def _no_pair(self) -> Optional[str]:
-        """Why no request can be served, when every healthy P's proofs fail on every healthy D (a deployment error:
-        the KV tokens differ)."""
-        live_p = [p for p in self.prefill.nodes if p.healthy]
-        if not live_p or any(p not in self._prefill_exclusions() for p in live_p):
-            return None
-        pairs = [f"{p.url} -> {d.url}: {why}" for (p_url, d_url), why in self.bad_pairs.items()
-                 for p in live_p for d in self.decode.nodes if p.url == p_url and d.url == d_url and d.healthy]
-        return "no prefill/decode pair can hand KV over (KV token mismatch): " + "; ".join(pairs)
-
-    def _prefill_exclusions(self) -> tuple:
-        """Ps with no healthy D their proofs verify on: a prefill there could only hold a lease."""
-        live = [d for d in self.decode.nodes if d.healthy]
-        return tuple(p for p in self.prefill.nodes if all((p.url, d.url) in self.bad_pairs for d in live))
 
     async def _prefill(self, path: str, body: dict,
                        headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response], str]:
@@ -186,7 +93,7 @@ class Router:
         response for the client or None, P's refusal of the client's request or "")."""
         p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
         p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
-        tried: tuple = self._prefill_exclusions()
+        tried: tuple = self.prefill_exclusions()
         now = time.monotonic()
         held = tuple(n for n in self.prefill.nodes if n.refused_pd_until > now)
         setup_error = ""
@@ -204,7 +111,7 @@ class Router:
             if r.status_code >= 500:
                 continue
             if r.status_code != 200:
-                msg, param = _error_of(r)
+                msg, param = error_of(r)
                 if param == "kv_transfer_params":  # P's own P/D set-up refused (no KV connector, a decode node)
                     setup_error = f"prefill node {node.url} refused the P/D prefill: {msg}"
                     log = logger.debug if node.refused_pd_until > now else logger.error  # once per hold
@@ -265,7 +172,7 @@ class Router:
         body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes
         if not any(n.healthy for n in self.decode.nodes):  # before P: a prefill no D can take only holds a lease
             return error(503, "no healthy decode node", "service_unavailable")
-        if (why := self._no_pair()) is not None:
+        if (why := self.no_pair()) is not None:
             return error(503, why, "service_unavailable")
         t0 = time.monotonic()
         prompt = body.get("prompt")
@@ -287,7 +194,7 @@ class Router:
                 return Response(status_code=499)
             tried: tuple = ()
             while True:
-                node = self._decode_for(p_node if params else None, tried)
+                node = self.decode_for(p_node if params else None, tried)
                 if node is None:
                     self._release(p_node, d_body, rid, "no healthy decode node")
                     return error(503, "no healthy decode node", "service_unavailable")
@@ -396,24 +303,12 @@ class Router:
             return Response(upstream.content, 400, media_type=upstream.headers.get("content-type"))
         msg = str(err.get("message", ""))
         if msg.startswith(NOT_VERIFIED):
-            self._mark_pair(p, d, f"decode node could not verify the prefill node's KV proof: {msg}")
+            self.mark_pair(p, d, f"decode node could not verify the prefill node's KV proof: {msg}")
             return error(502, f"KV token mismatch: decode node {d.url} could not verify the kv_transfer_params of "
                               f"prefill node {p.url} ({msg}); P and D must share the KV token", "bad_gateway")
         return error(502, f"decode node {d.url} refused the kv_transfer_params of prefill node {p.url}: {msg}",
                      "bad_gateway")
 
-
-def _message(r: httpx.Response) -> str:
-    return _error_of(r)[0]
-
-
-def _error_of(r: httpx.Response) -> tuple[str, Optional[str]]:
-    """(message, param) of an OpenAI-shaped error answer."""
-    try:
-        err = r.json()["error"]
-        return str(err["message"]), err.get("param")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return f"HTTP {r.status_code}", None
 
 
 def build_app(router: Router) -> FastAPI:

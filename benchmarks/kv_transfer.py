@@ -53,7 +53,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import KVTransferConfig
 from pdserve.model.make_model import ensure_model
 from pdserve.transfer.base import LoadJob
-from pdserve.transfer.protocol import _move, client_handshake, tune
+from pdserve.transfer.handshake import client_handshake
+from pdserve.transfer.protocol import _move, tune
 from pdserve.transfer.tcp import BLOCKS_PER_READ, TcpConnector
 
 REPO = Path(__file__).resolve().parent.parent

@@ -149,7 +149,8 @@ def kv_server():
                                    b'{"role": "kv_consumer", "nonce": "' + b"00" * 16 + b'", "compat": "x"}',
                                    None])  # None: says nothing at all
 def test_malformed_hello_refused_and_server_lives_on(kv_server, hello, monkeypatch, caplog):
-    from pdserve.transfer.protocol import client_handshake, send_frame
+    from pdserve.transfer.handshake import client_handshake
+    from pdserve.transfer.protocol import send_frame
     crashed = []
     monkeypatch.setattr(threading, "excepthook", crashed.append)
     bad = socket.create_connection(("127.0.0.1", kv_server.port))
@@ -177,7 +178,7 @@ HELLO = b'{"role": "kv_consumer", "nonce": "' + b"00" * 16 + b'", "compat": {"mo
                                  ((1 << 16) + 1).to_bytes(8, "big") + HELLO, ((1 << 64) - 1).to_bytes(8, "big")],
                          ids=["zero", "smaller", "bigger", "over-limit", "huge"])
 def test_hello_with_a_wrong_length_prefix_refused(kv_server, raw):
-    from pdserve.transfer.protocol import client_handshake
+    from pdserve.transfer.handshake import client_handshake
     bad = socket.create_connection(("127.0.0.1", kv_server.port))
     bad.settimeout(3)  # kv_transfer_timeout (1 s) bounds the whole handshake
     bad.sendall(raw)
@@ -194,7 +195,8 @@ def test_hello_with_a_wrong_length_prefix_refused(kv_server, raw):
 
 
 def test_client_refuses_a_short_producer_nonce():
-    from pdserve.transfer.protocol import _canon, client_handshake, send_frame
+    from pdserve.transfer.handshake import _canon, client_handshake
+    from pdserve.transfer.protocol import send_frame
     a, b = socket.socketpair()
     send_frame(b, _canon({"role": "kv_producer", "nonce": "00" * 8, "compat": {}, "proof": "00" * 32}))
     with pytest.raises(ProtocolError, match="nonce must be 16 bytes"):

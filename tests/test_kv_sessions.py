@@ -15,7 +15,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import KVTransferConfig
-from pdserve.transfer.protocol import GROUP, TAIL, ProtocolError, Session, client_handshake, tune
+from pdserve.transfer.handshake import client_handshake
+from pdserve.transfer.protocol import GROUP, TAIL, ProtocolError, Session, tune
 from pdserve.transfer.tcp import TcpConnector
 from tests.server_harness import free_port
 from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, consumer, drain, prefill_on, producer

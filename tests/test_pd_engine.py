@@ -298,7 +298,7 @@ def test_consumer_hands_nothing_on(pd):
 def test_slow_reader_loses_its_connection(qwen3_tiny):
     """A consumer that asks for reads and never takes them: P's send blocks with the lease pinned; after
     kv_lease_seconds (1 s) P shuts the connection, the pin goes and the lease expires as usual."""
-    from pdserve.transfer.protocol import client_handshake
+    from pdserve.transfer.handshake import client_handshake
     p = producer(qwen3_tiny, free_port(), kv_lease_seconds=1.0)
     params = prefill_on(p, PROMPTS[3:4])
     c = p.engine.connector

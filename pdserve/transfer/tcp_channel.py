@@ -1,6 +1,6 @@
 """The authenticated control channel between D and P: one handshake per session, many operations per session.
 
-P: a `ControlServer` handshakes each connection (protocol.py: the KV token proves both sides, compat fields are
+P: a `ControlServer` handshakes each connection (handshake.py: the KV token proves both sides, compat fields are
 compared, nothing else is read before) within `handshake_timeout`, then serves ops (`{"op": name, ...}` frames,
 one at a time, each answered before the next is read) from a table of handlers until the peer closes, the session
 sits idle `idle_seconds`, or an op fails. D: `dial` opens a session; a `SessionPool` (tcp_pool.py) keeps a few
@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pdserve.transfer.protocol import TIMEOUTS, Session, client_handshake, server_handshake, tune
+from pdserve.transfer.handshake import client_handshake, server_handshake
+from pdserve.transfer.protocol import TIMEOUTS, Session, tune
 
 logger = logging.getLogger("pdserve.transfer")
 IDLE_SECONDS = 60.0  # P closes a session idle this long; D reuses one idle for at most half of it

@@ -79,6 +79,17 @@ def chunks(total: int, size: int = 1 << 16):
         yield body[i:i + size]
 
 
+def test_a_client_gone_before_its_body_is_in_is_a_499_not_a_500(srv):
+    """The connection closes while the body is still coming: a client abort (499, logged as such), never the
+    catch-all 500 with a ClientDisconnect traceback; on every route that reads a body."""
+    c, _ = srv
+    part = json.dumps(BODY).encode()[:-5]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/kv/release", "/v1/kv/probe"):
+        res = call(c, "POST", path, chunks=[part], truncated=True, disconnect_after=0.0)
+        assert res["status"] == 499 and b"Traceback" not in res["body"], (path, res)
+    served_still(c)
+
+
 def test_bodies_over_the_limit_are_413_and_never_read_whole(srv):
     """A declared length far over the limit is refused before a byte is read; a streamed body (no length) is
     read only up to the limit plus the drain slack; a body within the slack is read and refused; the KV routes

@@ -96,10 +96,10 @@ class Held:
 
 
 async def asgi(app, method: str, path: str, body: bytes = b"", headers=(), chunks=None,
-               disconnect_after: float | None = None, timeout: float = 10.0) -> dict:
+               disconnect_after: float | None = None, timeout: float = 10.0, truncated: bool = False) -> dict:
     """Drive the ASGI app by hand (TestClient cannot disconnect early): the body in `chunks` (default: one), then
-    `http.disconnect` after `disconnect_after` s (never, if None). The status, the body, and the body bytes the
-    app read."""
+    `http.disconnect` after `disconnect_after` s (never, if None); `truncated`: the last chunk says more is to
+    come, so the client goes away mid-body. The status, the body, and the body bytes the app read."""
     it = iter(chunks if chunks is not None else [body])
     pending = next(it, b"")
     read, sent = [0], []
@@ -109,7 +109,7 @@ async def asgi(app, method: str, path: str, body: bytes = b"", headers=(), chunk
         if pending is not None:
             chunk, pending = pending, next(it, None)
             read[0] += len(chunk)
-            return {"type": "http.request", "body": chunk, "more_body": pending is not None}
+            return {"type": "http.request", "body": chunk, "more_body": pending is not None or truncated}
         if disconnect_after is None:
             await asyncio.Event().wait()
         await asyncio.sleep(disconnect_after)

@@ -15,6 +15,9 @@ CASES = [
     ("completions", {"echo": True, "logprobs": 1}, "echo together with logprobs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options: only allowed when stream is true"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format: only type 'text'"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs: not supported"),  # was dropped: a 200 without them
+    ("chat/completions", {"prompt_logprobs": 0}, "prompt_logprobs: not supported"),
+    ("chat/completions", {"echo": "sometimes"}, "echo"),  # was never read as a field: any value turned it on
 ]
 
 

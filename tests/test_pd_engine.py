@@ -174,7 +174,9 @@ def test_trickling_producer_hits_overall_deadline(qwen3_tiny, collocated):
     fake = params_for_peer(d, PROMPTS[2], srv.getsockname()[1])
     t0 = time.monotonic()
     out = decode_on(d, [PROMPTS[2]], [fake])
-    assert time.monotonic() - t0 < 3.5
+    # the trickle never ends on its own: without the deadline this waits for the test's timeout. The bound leaves
+    # room for a loaded 2-core machine (4.1 s seen with a suite and two servers beside it)
+    assert time.monotonic() - t0 < 8.0
     assert out[0].outputs[0].token_ids == collocated[2]
     assert d.engine.connector.stats.failures == {"timeout": 1}
     assert_whole(d)

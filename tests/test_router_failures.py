@@ -224,3 +224,16 @@ def test_with_every_p_held_they_are_still_asked():
         broken[0] = False
         r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["got_params"], r.text
+
+
+def test_a_client_gone_before_its_body_is_in_is_a_499_and_reaches_no_node():
+    """The connection closes mid-body: a 499 (was: the catch-all 500 and a ClientDisconnect traceback), and
+    neither P nor D is asked anything."""
+    from tests.test_failure_paths_pd import asgi
+    nodes = Nodes({P1: ok_p}, ok_d)
+    c = routed(nodes, [P1])
+    part = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()[:-3]
+    with c:
+        res = c.portal.call(lambda: asgi(c.app, "POST", "/v1/completions", chunks=[part], truncated=True,
+                                         disconnect_after=0.0))
+    assert res["status"] == 499 and nodes.calls == []

@@ -135,6 +135,29 @@ def test_chat_matches_offline(client, llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
+def test_chat_echo_as_vllm(http):
+    """vLLM's chat `echo`: the last message's content first, when its role is the answer's (assistant, or with
+    no generation prompt the last message's own), the same in the stream and the whole answer; otherwise nothing.
+    (Before: the whole templated prompt, special tokens included, in the whole answer only.)"""
+    def chat(msgs, stream=False, **kw):
+        body = {"model": "tiny", "messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **kw}
+        if not stream:
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        r = http.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+    partial = [{"role": "user", "content": "Sort a list."}, {"role": "assistant", "content": "def sort_it"}]
+    plain = chat(partial, continue_final_message=True, add_generation_prompt=False)
+    for stream in (False, True):
+        assert chat(partial, stream, echo=True, continue_final_message=True,
+                    add_generation_prompt=False) == "def sort_it" + plain
+        user_last = [{"role": "user", "content": "Sort a list."}]
+        assert chat(user_last, stream, echo=True) == chat(user_last)  # not the answer's role: nothing echoed
+
+
 def test_raw_sse_framing(server, http):
     body = {"prompt": "x = 1", "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}

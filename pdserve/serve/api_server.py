@@ -22,6 +22,7 @@ from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 import pdserve
 from pdserve.sampling_params import SamplingParams
@@ -89,12 +90,15 @@ async def read_json(request: Request, limit: int) -> dict:
     if length is not None and length.isdigit() and int(length) > limit + _DRAIN_SLACK:
         raise too_big
     body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-        elif size > limit + _DRAIN_SLACK:
-            break
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk
+            elif size > limit + _DRAIN_SLACK:
+                break
+    except ClientDisconnect:  # gone before its body was in: nobody reads the answer, and it is not our fault
+        raise APIError(499, "the client went away before its request body was read") from None
     if size > limit:
         raise too_big
     return parse_json_body(bytes(body))

@@ -16,7 +16,8 @@ logger = logging.getLogger("pdserve.serve")
 
 # vLLM's error type names (the OpenAI client maps on the status code, not on these).
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestEntityTooLarge", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+          413: "RequestEntityTooLarge", 499: "ClientClosedRequest", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):

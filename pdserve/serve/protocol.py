@@ -58,6 +58,7 @@ class _Common(_Strict):
     logit_bias: Optional[dict] = None
     kv_transfer_params: Optional[dict] = None
     return_token_ids: Optional[bool] = False  # vLLM: token ids in the choices and the prompt's in the response
+    prompt_logprobs: Optional[int] = None  # vLLM's; refused (not computed), not dropped
 
 
 class CompletionRequest(_Common):
@@ -79,6 +80,7 @@ class ChatRequest(_Common):
     tools: Optional[list] = None
     tool_choice: Any = None
     response_format: Optional[dict] = None
+    echo: Optional[bool] = False  # vLLM's: the last message's content first, when it has the response's role
 
 
 @dataclasses.dataclass
@@ -102,7 +104,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    echo: bool
+    echo: str  # the text the answer starts with ("" unless asked for): the prompt, or the last chat message's
     return_token_ids: bool
     unknown_fields: list[str]
     kv_transfer_params: Optional[dict] = None
@@ -174,7 +176,7 @@ def _completion_prompt(prompt: Any, info: ModelInfo) -> tuple[list[int], Optiona
     raise bad_request(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
 
 
-def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str]:
+def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str, list[dict]]:
     msgs = req.messages
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
@@ -206,7 +208,7 @@ def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str]:
             continue_final_message=bool(req.continue_final_message), **kwargs)
     except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-    return info.tokenizer(text, add_special_tokens=False).input_ids, text
+    return info.tokenizer(text, add_special_tokens=False).input_ids, text, conv
 
 
 def _unsupported(req: _Common) -> None:
@@ -214,6 +216,8 @@ def _unsupported(req: _Common) -> None:
         raise bad_request("best_of: only 1 is supported", "best_of")
     if req.logit_bias:
         raise bad_request("logit_bias: not supported", "logit_bias")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs: not supported", "prompt_logprobs")
     if isinstance(req, CompletionRequest) and req.suffix:
         raise bad_request("suffix: not supported", "suffix")
     if isinstance(req, ChatRequest):
@@ -266,8 +270,12 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
         logprobs = req.logprobs
         if req.echo and logprobs is not None:
             raise bad_request("echo: echo together with logprobs (prompt logprobs) is not supported", "echo")
+        echo = (text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
     else:
-        ids, text = _chat_prompt(req, info)
+        ids, text, conv = _chat_prompt(req, info)
+        # as vLLM: the answer's role is the assistant's, or the last message's when no generation prompt is added
+        role = "assistant" if req.add_generation_prompt else conv[-1]["role"]
+        echo = conv[-1]["content"] if req.echo and conv[-1]["role"] == role else ""
         use_mct = req.max_completion_tokens is not None
         max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
         mt_name = "max_completion_tokens" if use_mct else "max_tokens"
@@ -283,5 +291,5 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     unknown = sorted(req.model_extra or {})
     return GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
-                             opts.continuous_usage_stats, bool(getattr(req, "echo", False)),
+                             opts.continuous_usage_stats, echo,
                              bool(req.return_token_ids), unknown, req.kv_transfer_params)

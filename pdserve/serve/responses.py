@@ -105,8 +105,8 @@ class ResponseBuilder:
 
     # -------------------------------------------------------------- full response
 
-    def full(self, echo_prefix: str = "") -> dict:
-        text = echo_prefix + "".join(self.text_parts)
+    def full(self) -> dict:
+        text = self.g.echo + "".join(self.text_parts)
         if self.g.kind == "completion":
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprob_entries),
                       "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
@@ -135,13 +135,17 @@ class ResponseBuilder:
             obj["usage"] = self.usage()
         return obj
 
-    def first_chunks(self, echo_prefix: str = "") -> str:
-        """What goes out before any token: the chat role, or the echoed prompt."""
+    def first_chunks(self) -> str:
+        """What goes out before any token: the chat role (then the echoed last message), or the echoed prompt."""
         if self.g.kind == "chat":
-            return sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}))
-        if echo_prefix:
-            choice = {"index": 0, "text": echo_prefix, "logprobs": None, "finish_reason": None}
+            out = sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}))
+            if self.g.echo:
+                out += sse(self._chunk({"index": 0, "delta": {"content": self.g.echo}, "logprobs": None,
+                                        "finish_reason": None}))
+            return out
+        if self.g.echo:
+            choice = {"index": 0, "text": self.g.echo, "logprobs": None, "finish_reason": None}
             if self.g.return_token_ids:
                 choice["prompt_token_ids"] = self.g.prompt_token_ids
             return sse(self._chunk(choice))

@@ -58,6 +58,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from pdserve.serve.router_nodes import Fleet, Node, error_of
 from pdserve.serve.router_timing import KV_UNUSED_HEADER, TtftSplit, parse_server_timing
@@ -167,6 +168,8 @@ class Router(Fleet):
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"request body is not valid JSON: {e}")
+        except ClientDisconnect:  # gone before its body was in: nothing was sent anywhere
+            return Response(status_code=499)
         if not isinstance(body, dict):
             return error(400, "request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
-from pdserve.serve.protocol import GenerationRequest, ModelInfo, to_generation_request
+from pdserve.serve.protocol import ModelInfo, to_generation_request
 from pdserve.serve.responses import ResponseBuilder, sse
 from pdserve.serve.router_timing import KV_UNUSED_HEADER
 
@@ -76,7 +76,6 @@ class OpenAIServing:
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]
                 (logger.warning if noisy else logger.debug)("ignoring unknown field(s): %s",
                                                             ", ".join(greq.unknown_fields))
-            echo = self._echo_prefix(greq)
             st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
         except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now
             self.engine.release_remote_kv(request_id, data.get("kv_transfer_params"))
@@ -96,9 +95,9 @@ class OpenAIServing:
                     return Response(status_code=499)
                 headers = {**headers, **server_timing(next((r.timing for r in first if r.timing), None),
                                                       any(r.kv_unused for r in first))}
-            return StreamingResponse(self._stream(gen, builder, echo, first), media_type="text/event-stream",
+            return StreamingResponse(self._stream(gen, builder, first), media_type="text/event-stream",
                                      headers=headers)
-        return await self._full(gen, builder, echo, request)
+        return await self._full(gen, builder, request)
 
     @staticmethod
     async def _first(gen, request: Request) -> Optional[list]:
@@ -122,14 +121,7 @@ class OpenAIServing:
             raise APIError(500, f"the request failed: {last.error or 'engine error'}")
         return recs
 
-    def _echo_prefix(self, greq: GenerationRequest) -> str:
-        if not greq.echo:
-            return ""
-        if greq.prompt_text is not None:
-            return greq.prompt_text
-        return self.info.tokenizer.decode(greq.prompt_token_ids)
-
-    async def _full(self, gen, builder: ResponseBuilder, echo: str, request: Request) -> Response:
+    async def _full(self, gen, builder: ResponseBuilder, request: Request) -> Response:
         async def run():
             async with aclosing(gen):
                 async for recs in gen:
@@ -145,12 +137,12 @@ class OpenAIServing:
                 raise APIError(400, builder.error or "request refused", "kv_transfer_params")
             raise APIError(500, f"the request failed: {builder.error or 'engine error'}")
         logger.info("finished: %s, %d tokens", builder.finish_reason, len(builder.token_ids))
-        return JSONResponse(builder.full(echo), headers=server_timing(builder.timing, builder.kv_unused))
+        return JSONResponse(builder.full(), headers=server_timing(builder.timing, builder.kv_unused))
 
-    async def _stream(self, gen, builder: ResponseBuilder, echo: str, first_recs=None):
+    async def _stream(self, gen, builder: ResponseBuilder, first_recs=None):
         async with aclosing(gen):
             try:
-                first = builder.first_chunks(echo)
+                first = builder.first_chunks()
                 if first:
                     yield first
                 if first_recs:  # what _first() read (usually just the engine's "accepted" marker)

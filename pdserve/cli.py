@@ -18,7 +18,8 @@ def _make_model_parser(sub) -> None:
                    help="tiny: ~4.5M parameters, for tests; small: ~100M, for benchmarks (default: tiny).")
     p.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
     p.add_argument("--out", default=None,
-                   help="Output directory (default: $PDSERVE_HOME/models/<arch>-<size>-s<seed>, PDSERVE_HOME "
+                   help="Output directory: new, empty, or a model make-model built, which is replaced; anything "
+                        "else is refused (default: $PDSERVE_HOME/models/<arch>-<size>-s<seed>, PDSERVE_HOME "
                         "defaulting to ~/.cache/pdserve).")
     p.add_argument("--if-missing", action="store_true", help="Do nothing if --out already holds a complete model.")
 
@@ -173,7 +174,9 @@ def cmd_bench(args) -> int:
 
 def cmd_make_model(args) -> int:
     from pdserve.model.make_model import default_model_dir, is_complete, make_model
-    out = Path(args.out) if args.out else default_model_dir(args.arch, args.size, args.seed)
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out: empty path (leave the flag out for the default directory)")
+    out = Path(args.out) if args.out is not None else default_model_dir(args.arch, args.size, args.seed)
     if args.if_missing and is_complete(out):
         print(f"model already at {out}")
         return 0

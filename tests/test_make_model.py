@@ -168,6 +168,29 @@ def test_bad_args(home, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_never_replaces_what_it_did_not_build(home, tmp_path, capsys):
+    """A rebuild replaces --out whole: a non-empty directory without make-model's marker (`.`, a home, a
+    downloaded model) or a file is refused before anything is built, and left as it was (it was deleted)."""
+    from pdserve.cli import main
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "data.txt").write_text("precious")
+    (tmp_path / "file").write_text("precious")
+    for out, why in ((tmp_path / "mine", "not empty and was not built by make-model"),
+                     (tmp_path / "file", "is not a directory")):
+        with pytest.raises(ValueError, match=why):
+            mm.make_model(out, progress=False)
+        with pytest.raises(SystemExit) as e:
+            main(["make-model", "--out", str(out)])
+        assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "data.txt").read_text() == "precious" and (tmp_path / "file").read_text() == "precious"
+    assert sorted(os.listdir(tmp_path)) == ["file", "mine"]  # no temp dir left behind either
+    with pytest.raises(SystemExit) as e:
+        main(["make-model", "--out", ""])
+    assert e.value.code == 2 and "--out: empty path" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert mm.is_complete(mm.make_model(tmp_path / "empty", progress=False))
+
+
 def test_crash_leaves_nothing(home, tmp_path, monkeypatch):
     def boom(*a):
         raise RuntimeError("boom")

@@ -50,6 +50,9 @@ def _log(progress: bool, msg: str) -> None:
         print(f"[make-model] {msg}", file=sys.stderr, flush=True)
 
 
+MARKER = ".pdserve-make-model"  # in every model make-model writes: what a rebuild may replace
+
+
 def _check(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -161,6 +164,7 @@ def make_model(out: str | os.PathLike, arch: str = "qwen3", size: str = "tiny", 
     from transformers.utils import logging as hf_logging
 
     out = pathlib.Path(out).absolute()
+    _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok_src = tokenizer_path(progress)
     cfg = _config(arch, size, dtype)
@@ -192,6 +196,7 @@ def make_model(out: str | os.PathLike, arch: str = "qwen3", size: str = "tiny", 
                        additional_special_tokens=list(SPECIALS[1:]))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
         (tmp / "special_tokens_map.json").write_text(json.dumps(names, indent=2) + "\n")
+        (tmp / MARKER).write_text(json.dumps({"arch": arch, "size": size, "seed": seed, "dtype": dtype}) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
         old = out.with_name(f".{out.name}.old.{os.getpid()}")
         if out.exists():
@@ -203,6 +208,18 @@ def make_model(out: str | os.PathLike, arch: str = "qwen3", size: str = "tiny", 
         raise
     _log(progress, f"wrote {out}")
     return out
+
+
+def _check_replaceable(out: pathlib.Path) -> None:
+    """A rebuild replaces `out` whole, so only what make-model built (its marker) or an empty directory may be
+    there: a path given by mistake (`.`, a home directory, a downloaded model) is never deleted."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise ValueError(f"{out} exists and is not a directory (--out): choose a new or empty directory")
+    if any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ValueError(f"{out} is not empty and was not built by make-model (--out): choose a new or empty "
+                         "directory; nothing was changed")
 
 
 def is_complete(d: pathlib.Path) -> bool:

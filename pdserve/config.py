@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import ssl
 import typing
 from dataclasses import dataclass, field
@@ -104,6 +105,32 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 INHERITED = ("kv_auth_token", "kv_tls_cert", "kv_tls_key", "kv_tls_ca")  # MultiConnector -> children
+_STRINGS = ("kv_connector", "kv_role", "engine_id", "kv_host", "kv_advertise_host", "kv_auth_token", "kv_tls_cert",
+            "kv_tls_key", "kv_tls_ca", "kv_load_failure_policy")
+
+
+def _check_types(d: dict) -> None:
+    """JSON types of the fields, named on failure: a wrong one would otherwise surface at start-up as an
+    AttributeError, or not at all (kv_peers as one string became a tuple of characters: every load refused)."""
+    for name in _STRINGS:
+        if d.get(name) is not None and not isinstance(d[name], str):
+            raise ValueError(f"kv_transfer_config.{name} must be a string, got {d[name]!r}")
+    peers = d.get("kv_peers", [])
+    if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) and _is_host_port(p) for p in peers):
+        raise ValueError(f"kv_transfer_config.kv_peers must be a list of \"host:port\" strings, got {peers!r}")
+    nice = d.get("kv_server_nice", 12)
+    if isinstance(nice, bool) or not isinstance(nice, int):
+        raise ValueError(f"kv_transfer_config.kv_server_nice must be an integer, got {nice!r}")
+    if not isinstance(d.get("kv_connector_extra_config", {}), dict):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
+    kids = d.get("connectors", [])
+    if not isinstance(kids, (list, tuple)) or not all(isinstance(c, dict) for c in kids):
+        raise ValueError("kv_transfer_config.connectors must be a list of connector objects")
+
+
+def _is_host_port(s: str) -> bool:
+    host, sep, port = s.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
 
 
 @dataclass(frozen=True)
@@ -146,11 +173,11 @@ class KVTransferConfig:
             if required not in d:
                 raise ValueError(f"kv_transfer_config: missing field {required!r}")
         d = dict(d)
+        _check_types(d)
         # A MultiConnector's children share the deployment's token and TLS unless they set their own: a token
         # given once (e.g. --kv-auth-token) must never leave a child handshaking with an empty key.
         shared = {k: d[k] for k in INHERITED if d.get(k) is not None}
-        d["connectors"] = tuple(cls.from_dict({**shared, **c}) if isinstance(c, dict) else c
-                                for c in d.get("connectors", ()))
+        d["connectors"] = tuple(cls.from_dict({**shared, **c}) for c in d.get("connectors", ()))
         d["kv_peers"] = tuple(d.get("kv_peers", ()))
         cfg = cls(**d)
         cfg.validate()
@@ -246,7 +273,9 @@ class EngineConfig:
                 kv = json.loads(kv)
             except json.JSONDecodeError as e:
                 raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if isinstance(kv, dict):
+            if kv is None:  # an explicit `null` is a typo more often than a wish for no connector: leave it out
+                raise ValueError("kv_transfer_config must be a JSON object (leave it out for no KV connector)")
+        if kv is not None and not isinstance(kv, KVTransferConfig):
             kv = KVTransferConfig.from_dict(kv)
         spec = kwargs.pop("speculative_config", None)
         if spec is not None:
@@ -265,6 +294,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         c, s = self.cache, self.scheduler
+        if self.model.device.startswith("cuda") and _DEVICE.fullmatch(self.model.device):
+            _check_cuda(self.model.device)
         checks = [
             (c.block_size >= 1 and c.block_size & (c.block_size - 1) == 0, "block_size must be a power of two"),
             (s.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
@@ -274,7 +305,9 @@ class EngineConfig:
             (s.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"),
             (s.long_prefill_token_threshold == 0 or s.enable_chunked_prefill,
              "long_prefill_token_threshold needs enable_chunked_prefill (a capped prompt is computed in chunks)"),
-            (c.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
+            (0 < c.kv_cache_memory_gb < float("inf"), "kv_cache_memory_gb must be a positive number of GiB"),
+            (_DEVICE.fullmatch(self.model.device) is not None,
+             f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.model.device!r}"),
             (c.gpu_memory_utilization is None or 0 < c.gpu_memory_utilization <= 1,
              "gpu_memory_utilization must be in (0, 1]"),
             (c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2,
@@ -293,6 +326,17 @@ class EngineConfig:
 
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, CompilationConfig)
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _check_cuda(device: str) -> None:
+    import torch
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"device {device!r}: {why} (use 'cpu' or 'auto')")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:

@@ -4,7 +4,6 @@ Its outputs are built in output_processor.py; its P/D face (kv_transfer_params c
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pdserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.scheduler import Scheduler
 from pdserve.detokenizer import IncrementalDetokenizer
-from pdserve.model.loader import model_dims, read_hf_config, resolve_dtype
+from pdserve.model.loader import check_model_dir, model_dims, read_json_file, resolve_dtype
 from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
@@ -41,7 +40,7 @@ class LLMEngine(EnginePDMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         mc = config.model
-        self.hf_config = read_hf_config(mc.model)
+        self.hf_config = check_model_dir(mc.model)
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         max_pos = self.hf_config.get("max_position_embeddings", 4096)
@@ -252,4 +251,4 @@ def load_tokenizer(model_dir: str):
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json_file(path) if path.is_file() else {}

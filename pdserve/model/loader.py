@@ -19,11 +19,39 @@ def read_hf_config(model_dir: str | Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{str(model_dir)!r} has no config.json: not a Hugging Face model directory")
-    cfg = json.loads(path.read_text())
+    cfg = read_json_file(path)
     arch = (cfg.get("architectures") or ["<none>"])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)}")
+    for key in SIZES:
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{path}: {key} must be a positive integer, got {v!r}")
     return cfg
+
+
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "max_position_embeddings")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(model_dir: str | Path) -> dict:
+    """The model's config.json, once the directory is known to hold a model this engine runs and a tokenizer:
+    checked before anything is loaded or a port opened, so a wrong path is one line naming it."""
+    cfg = read_hf_config(model_dir)
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{str(model_dir)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return cfg
+
+
+def read_json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return data
 
 
 def rope_parameters(cfg: dict) -> dict:
@@ -65,7 +93,11 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         raise ValueError(f"{str(model_dir)!r} has no model.safetensors or model.safetensors.index.json")
     for name in files:
-        with safe_open(model_dir / name, framework="pt") as f:
+        try:
+            f = safe_open(model_dir / name, framework="pt")
+        except Exception as e:  # safetensors' own error names no file
+            raise ValueError(f"{model_dir / name}: cannot read the weights: {e}") from None
+        with f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 

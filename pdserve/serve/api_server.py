@@ -11,7 +11,6 @@ error, and the server exits 1, as vLLM's does, so that its supervisor restarts i
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 import pdserve
+from pdserve.model.loader import check_model_dir, read_json_file
 from pdserve.sampling_params import SamplingParams
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError, install_error_handlers
@@ -46,9 +46,14 @@ class ServerState:
         self.model_dir = engine_config.model.model
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)  # the server's own: never the engine's
+        check_model_dir(self.model_dir)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)  # the server's own: never the engine's
+        except Exception as e:  # transformers' message runs over many lines and names no file
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{self.model_dir!r}: cannot load its tokenizer: {why}") from None
         gen_path = Path(self.model_dir) / "generation_config.json"
-        self.generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        self.generation_config = read_json_file(gen_path) if gen_path.is_file() else {}
         try:  # the model's defaults apply to every request: a bad one is the deployment's, refused at start-up
             SamplingParams.from_generation_config(self.generation_config)
         except ValueError as e:

@@ -360,18 +360,55 @@ def build_app(router: Router) -> FastAPI:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="Prefill node base URLs.")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="Decode node base URLs.")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="Prefill node base URLs (http[s]://host:port).")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="Decode node base URLs (http[s]://host:port).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
     p.add_argument("--policy", choices=("round-robin", "least-loaded"), default="round-robin",
                    help="How a P and a D are chosen among the healthy ones (default: round-robin).")
-    p.add_argument("--health-interval", type=float, default=1.0, help="Seconds between node health checks.")
-    p.add_argument("--log-level", default="info", help="Log level (default: info).")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="Seconds between node health checks and P -> D probes (default: 1.0).")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
+                   help="Log level (default: info).")
+
+
+def check_router_args(args) -> None:
+    """What uvicorn or the health loop would take badly, refused naming the flag: an empty --host listens on
+    every interface, a port over 65535 wraps around, a zero interval spins."""
+    if not args.host.strip():
+        raise ValueError("--host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 < args.health_interval < float("inf"):
+        raise ValueError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
+    for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
+        for url in urls:
+            if (why := _bad_url(url)) is not None:
+                raise ValueError(f"{flag}: {url!r} is not a node URL ({why}); e.g. http://127.0.0.1:8100")
+
+
+def _bad_url(url: str) -> Optional[str]:
+    try:
+        u = httpx.URL(url)
+        port = u.port
+    except (httpx.InvalidURL, ValueError) as e:
+        return str(e)
+    if u.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not u.host:
+        return "no host"
+    if port is not None and not 0 < port < 65536:
+        return "the port must be in 1..65535"
+    if u.path not in ("", "/") or u.query:
+        return "a base URL has no path or query: the router adds /v1/..."
+    return None
 
 
 def run_router(args) -> int:
     import uvicorn
+    check_router_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(args.prefill, args.decode, args.policy, args.health_interval)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -33,13 +33,19 @@ class ServerConfig:
                                                  "process, or in a separate process.")
 
     def validate(self) -> None:
+        if not self.host.strip():  # uvicorn would listen on every interface: an unset variable, not a wish
+            raise ValueError("host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty: leave it out for no key (an empty one would turn auth off)")
+        if any(not n.strip() for n in self.served_model_name):
+            raise ValueError("served_model_name: a name must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.shutdown_timeout < 0:
+        if not self.shutdown_timeout >= 0:  # NaN too: the drain would fail at SIGTERM
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if not self.engine_stall_timeout > 0:
             raise ValueError(f"engine_stall_timeout must be > 0, got {self.engine_stall_timeout}")

@@ -1,0 +1,130 @@
+"""Bad command lines: each is a one-line `pdserve <command>: error:` naming the flag or file, exit code 2, before a
+port opens or a weight loads; never a traceback, a server that starts on a wrong value, or one that listens on
+every interface. In process, with the server's start replaced by a failure (a case that got through would serve)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import main
+
+TCP = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer"}
+
+
+@pytest.fixture(autouse=True)
+def no_server(monkeypatch):
+    """What passed every check would start serving: fail the test instead of hanging it."""
+    import uvicorn
+
+    from pdserve.serve import api_server
+
+    def started(*a, **kw):
+        raise AssertionError("the command line was accepted: a server would start")
+    monkeypatch.setattr(api_server._Server, "make", started)
+    monkeypatch.setattr(uvicorn, "run", started)
+
+
+def refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def kv(**fields) -> list[str]:
+    return ["--kv-transfer-config", json.dumps({**TCP, **fields})]
+
+
+SERVE = [
+    (["--host", ""], "host must not be empty"),
+    (["--api-key", " "], "api_key is empty"),
+    (["--served-model-name", ""], "served_model_name"),
+    (["--shutdown-timeout", "nan"], "shutdown_timeout"),
+    (["--device", "bogus"], "device must be"),
+    (["--device", ""], "device must be"),
+    (["--device", "cuda"], "device 'cuda'"),  # a CPU-only torch here; on a GPU machine: past the device count
+    (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb"),
+    (["--kv-transfer-config", "[]"], "must be a JSON object"),
+    (["--kv-transfer-config", "null"], "must be a JSON object"),
+    (kv(kv_peers="127.0.0.1:14579"), "kv_peers must be a list"),  # was a tuple of characters: every load refused
+    (kv(kv_peers=["nonsense"]), "kv_peers must be a list"),
+    (kv(kv_peers=["127.0.0.1:0"]), "kv_peers must be a list"),
+    (kv(kv_auth_token=5), "kv_auth_token must be a string"),
+    (kv(kv_advertise_host=5), "kv_advertise_host must be a string"),
+    (kv(kv_server_nice="x"), "kv_server_nice must be an integer"),
+    (kv(kv_connector_extra_config="x"), "kv_connector_extra_config must be an object"),
+    (["--kv-transfer-config", json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+                                          "connectors": [1]})], "connectors must be a list of connector objects"),
+]
+
+
+@pytest.mark.parametrize("flags,why", SERVE, ids=[f"{' '.join(f)[:40]}" for f, _ in SERVE])
+def test_serve_refuses(qwen3_tiny, capsys, flags, why):
+    if flags[:2] == ["--device", "cuda"]:
+        import torch
+        if torch.cuda.is_available():
+            flags = ["--device", f"cuda:{torch.cuda.device_count()}"]
+            why = "CUDA device(s) are visible"
+    err = refused(["serve", str(qwen3_tiny), "--port", "0", *flags], capsys)
+    assert err.startswith("pdserve serve: error:") and why in err, err
+
+
+def test_serve_checks_the_model_directory_first(qwen3_tiny, tmp_path, capsys):
+    """Before: four chained tracebacks (a missing path read as a hub repo id), or transformers' tokenizer text."""
+    qwen3_tiny = Path(qwen3_tiny)
+    assert "does not exist" in refused(["serve", str(tmp_path / "nope")], capsys)
+    assert "has no config.json" in refused(["serve", str(tmp_path)], capsys)
+    shutil.copy(qwen3_tiny / "config.json", tmp_path / "config.json")
+    assert "has no tokenizer" in refused(["serve", str(tmp_path)], capsys)
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_tiny, bad)
+    (bad / "generation_config.json").write_text("{oops")
+    err = refused(["serve", str(bad)], capsys)
+    assert "generation_config.json: not valid JSON" in err, err
+    cfg = json.loads((qwen3_tiny / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": -1}))
+    assert "max_position_embeddings must be a positive integer" in refused(["serve", str(bad)], capsys)
+
+
+def test_generate_names_the_weights_file_it_cannot_read(qwen3_tiny, tmp_path, capsys):
+    qwen3_tiny = Path(qwen3_tiny)
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_tiny, bad)
+    (bad / "model.safetensors").write_bytes((qwen3_tiny / "model.safetensors").read_bytes()[:4])
+    err = refused(["generate", "--model", str(bad), "--prompt", "x"], capsys)
+    assert "model.safetensors: cannot read the weights" in err, err
+
+
+ROUTER = [
+    (["--port", "70000"], "--port must be in [0, 65535]"),  # uvicorn bound 70000 - 65536 = 4464
+    (["--port", "-1"], "--port must be in [0, 65535]"),
+    (["--health-interval", "0"], "--health-interval must be a positive"),  # a busy loop
+    (["--health-interval", "nan"], "--health-interval must be a positive"),
+    (["--host", ""], "--host must not be empty"),
+    (["--prefill", "notaurl"], "--prefill: 'notaurl' is not a node URL (the scheme"),
+    (["--decode", "ftp://x"], "--decode: 'ftp://x' is not a node URL"),
+    (["--decode", "http://127.0.0.1:99999"], "the port must be in 1..65535"),
+    (["--prefill", "http://127.0.0.1:8100/v1"], "a base URL has no path"),
+]
+
+
+@pytest.mark.parametrize("flags,why", ROUTER, ids=[" ".join(f) for f, _ in ROUTER])
+def test_router_refuses(capsys, flags, why):
+    base = {"--prefill": ["http://127.0.0.1:8100"], "--decode": ["http://127.0.0.1:8200"]}
+    argv = ["router"]
+    for flag, value in base.items():
+        argv += [flag, *(flags[1:] if flags[0] == flag else value)]
+    argv += [] if flags[0] in base else flags
+    err = refused(argv, capsys)
+    assert err.startswith("pdserve router: error:") and why in err, err
+
+
+def test_router_log_level_is_a_choice(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--log-level", "verbose"])
+    assert e.value.code == 2 and "invalid choice: 'verbose'" in capsys.readouterr().err

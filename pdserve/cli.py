@@ -15,7 +15,7 @@ def _make_model_parser(sub) -> None:
                                    "Nothing is downloaded.")
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="Architecture (default: qwen3).")
     p.add_argument("--size", choices=SIZES, default="tiny",
-                   help="tiny: ~4.5M parameters, for tests; small: ~100M, for benchmarks (default: tiny).")
+                   help="tiny: ~4.5M parameters, for tests; small: ~116M, for benchmarks (default: tiny).")
     p.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
     p.add_argument("--out", default=None,
                    help="Output directory: new, empty, or a model make-model built, which is replaced; anything "

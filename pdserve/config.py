@@ -44,7 +44,8 @@ class CacheConfig:
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes (chained block hashes).")
     kv_cache_memory_gb: float = _f(1.0, "Memory for the KV cache in GiB (capped at what max_num_seqs full-length "
                                         "sequences need).")
-    num_gpu_blocks_override: Optional[int] = _f(None, "Use exactly this many KV blocks (tests, benchmarks).")
+    num_gpu_blocks_override: Optional[int] = _f(None, "Use exactly this many KV blocks (tests, benchmarks); "
+                                                         "unset: sized from memory.")
     gpu_memory_utilization: Optional[float] = _f(None, "CUDA: the fraction of the GPU's memory this engine may use; "
                                                  "the KV cache gets what is left after the weights, a largest-step "
                                                  "forward's activations and the CUDA graphs' pool are measured "
@@ -306,6 +307,7 @@ class EngineConfig:
             (s.long_prefill_token_threshold == 0 or s.enable_chunked_prefill,
              "long_prefill_token_threshold needs enable_chunked_prefill (a capped prompt is computed in chunks)"),
             (0 < c.kv_cache_memory_gb < float("inf"), "kv_cache_memory_gb must be a positive number of GiB"),
+            (-2 ** 63 <= self.model.seed < 2 ** 64, "seed must be in [-2**63, 2**64) (torch's generator seeds)"),
             (_DEVICE.fullmatch(self.model.device) is not None,
              f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.model.device!r}"),
             (c.gpu_memory_utilization is None or 0 < c.gpu_memory_utilization <= 1,
@@ -349,7 +351,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         flag = "--" + f.name.replace("_", "-")
         tp = hints[f.name]
         args = typing.get_args(tp)
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        help_text = f.metadata.get("help", "")
+        if "default" not in help_text.lower() and "unset" not in help_text.lower():  # a stated default wins
+            help_text += f" (default: {f.default})"
         if tp is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)

@@ -100,6 +100,21 @@ def test_generate_names_the_weights_file_it_cannot_read(qwen3_tiny, tmp_path, ca
     assert "model.safetensors: cannot read the weights" in err, err
 
 
+SIZES = [
+    (["--num-gpu-blocks-override", "100000000000"], "num_gpu_blocks_override: a KV cache of 100000000000 blocks"),
+    (["--kv-cache-memory-gb", "100000", "--max-num-seqs", "100000"], "kv_cache_memory_gb: a KV cache of"),
+    (["--max-num-seqs", "1000000000"], "the engine's buffers do not fit in memory"),
+    (["--seed", "99999999999999999999"], "seed must be in"),  # was "Overflow when unpacking long long"
+]
+
+
+@pytest.mark.parametrize("flags, why", SIZES, ids=[" ".join(f) for f, _ in SIZES])
+def test_sizes_beyond_the_machine_are_refused_naming_the_flag(qwen3_tiny, capsys, flags, why):
+    """Was the allocator's traceback (a 1.6 PB tensor, a 954 GiB int64 array)."""
+    err = refused(["generate", "--model", str(qwen3_tiny), "--prompt", "x", "--max-tokens", "1", *flags], capsys)
+    assert why in err, err
+
+
 ROUTER = [
     (["--port", "70000"], "--port must be in [0, 65535]"),  # uvicorn bound 70000 - 65536 = 4464
     (["--port", "-1"], "--port must be in [0, 65535]"),
@@ -128,3 +143,61 @@ def test_router_log_level_is_a_choice(capsys):
     with pytest.raises(SystemExit) as e:
         main(["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--log-level", "verbose"])
     assert e.value.code == 2 and "invalid choice: 'verbose'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_states_each_default_once(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    flags = out.split(" --")[1:]
+    assert len(flags) > 20
+    for text in flags:
+        assert text.lower().count("(default:") <= 1, text
+    assert "(default: None)" not in out
+
+
+BENCH_SERVE = [
+    (["--request-rate", "nan"], "--request-rate must be > 0"),  # was sent all at once, as inf
+    (["--burstiness", "nan"], "--burstiness must be"),
+    (["--burstiness", "inf"], "--burstiness must be"),
+    (["--seed", "-1"], "--seed must be in"),  # was numpy's "expected non-negative integer"
+    (["--request-timeout", "0"], "--request-timeout must be"),  # was every request failing at once
+    (["--request-timeout", "nan"], "--request-timeout must be"),
+    (["--temperature", "-1"], "--temperature must be"),  # was every request a 400
+    (["--dataset-path", "/tmp/prompts.jsonl"], "--dataset-path is read only with --dataset jsonl"),  # was ignored
+    (["--save-result", "."], "is a directory"),  # was found only after the whole run
+]
+
+
+@pytest.mark.parametrize("flags, why", BENCH_SERVE, ids=[" ".join(f) for f, _ in BENCH_SERVE])
+def test_bench_serve_refuses_before_any_request(qwen3_tiny, capsys, flags, why):
+    # an unreachable target: a case that got through would fail its requests with exit 1, not refuse with 2
+    err = refused(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
+                   str(qwen3_tiny), "--num-prompts", "2", "--disable-tqdm", *flags], capsys)
+    assert err.startswith("pdserve bench serve: error:") and why in err, err
+
+
+def test_bench_save_result_under_a_file_is_refused_up_front(qwen3_tiny, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    err = refused(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
+                   str(qwen3_tiny), "--num-prompts", "2", "--disable-tqdm", "--save-result",
+                   str(tmp_path / "f" / "r.json")], capsys)
+    assert "a parent is a file" in err, err
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--ready-timeout", "0"], "--ready-timeout must be"),
+    (["--ready-timeout", "nan"], "--ready-timeout must be"),
+    (["--seed", "-1"], "--seed must be in"),
+    (["--burstiness", "nan"], "--burstiness must be"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_bench_pd_refuses_before_any_arm_starts(qwen3_tiny, capsys, flags, why):
+    err = refused(["bench", "pd", "--model", str(qwen3_tiny), *flags], capsys)
+    assert why in err, err
+
+
+def test_bench_pd_result_dir_that_is_a_file(qwen3_tiny, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    err = refused(["bench", "pd", "--model", str(qwen3_tiny), "--result-dir", str(tmp_path / "f")], capsys)
+    assert "--result-dir" in err, err

@@ -120,6 +120,10 @@ def test_deadline_on_one_load_spares_the_other(fresh, local, monkeypatch):
     out = decode(d, PROMPTS[2:4], kp[1:])
     assert [out[q].outputs[0].token_ids for q in PROMPTS[2:4]] == [local[q] for q in PROMPTS[2:4]]
     assert d.engine.connector.stats.failures == {"timeout": 1}  # the slow one, recomputed
+    deadline = time.monotonic() + 5
+    while pool.num_idle() == 0:  # a `done` may hold it a moment (it failed once so in a loaded full suite)
+        assert time.monotonic() < deadline, "the spared session never went back to the pool"
+        time.sleep(0.01)
     assert pool.handshakes == 2 and pool.num_idle() == 1  # the spared session went back to the pool
     time.sleep(0.3)  # P's stalled read wakes, finds its session shut, drops its pin
     for lease in p.engine.connector.leases.values():
@@ -277,3 +281,16 @@ def test_trickled_frames_wake_the_receiver_in_time():
         finally:
             sock.close()
         t.join(5)
+
+
+def test_a_kv_port_in_use_names_the_setting():
+    from pdserve.transfer.tcp_channel import ControlServer
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*set kv_port"):
+            ControlServer("127.0.0.1", port, b"t" * 32, {}, {}, handshake_timeout=1, wait_timeout=1)
+    finally:
+        taken.close()

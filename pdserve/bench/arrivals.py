@@ -13,12 +13,12 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     burstiness means burstier traffic. rate = inf sends everything at once."""
     if n <= 0:
         return []
-    if burstiness <= 0:
-        raise ValueError("--burstiness must be > 0")
+    if not 0 < burstiness < math.inf:  # NaN fails both comparisons
+        raise ValueError("--burstiness must be a number > 0")
+    if not rate > 0:
+        raise ValueError("--request-rate must be > 0 (or inf)")
     if math.isinf(rate):
         return [0.0] * n
-    if rate <= 0:
-        raise ValueError("--request-rate must be > 0 (or inf)")
     gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     gaps[0] = 0.0  # the first request goes at once
     t = np.cumsum(gaps)

@@ -77,6 +77,10 @@ def _parse(args) -> tuple[list[str], list[float]]:
     if args.warmup < 0 or not 0 <= args.random_range_ratio < 1:
         raise ValueError("--warmup must be >= 0" if args.warmup < 0 else "--random-range-ratio must be in [0, 1)")
     arrival_offsets(1, 1.0, args.burstiness)  # raises naming --burstiness
+    if not 0 <= args.seed < 2 ** 32:
+        raise ValueError("--seed must be in [0, 2**32)")
+    if not 0 < args.ready_timeout < math.inf:  # NaN fails both comparisons
+        raise ValueError("--ready-timeout must be a number of seconds > 0")
     if args.router == "vllm-router" and vllm_router_program() is None:
         raise ValueError("--router vllm-router: the vllm-router executable is not installed "
                          "(pip install vllm-router==0.1.17)")
@@ -126,7 +130,10 @@ def run_bench_pd(args) -> int:
         from pdserve.model.make_model import ensure_model
         model = str(ensure_model("qwen3", "tiny", 0))
     out = Path(args.result_dir)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise ValueError(f"--result-dir {out}: {e.strerror or e}") from None
     token = secrets.token_hex(16)
     rows, dep, interrupted = [], None, False
 

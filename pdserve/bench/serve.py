@@ -81,6 +81,25 @@ def _check(args) -> None:
         raise ValueError("--warmup must be >= 0")
     if args.dataset == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
+    if args.dataset_path and args.dataset != "jsonl":
+        raise ValueError("--dataset-path is read only with --dataset jsonl")
+    if not 0 <= args.seed < 2 ** 32:
+        raise ValueError("--seed must be in [0, 2**32)")
+    if not 0 < args.request_timeout < math.inf:  # NaN fails both comparisons
+        raise ValueError("--request-timeout must be a number of seconds > 0")
+    if not 0 <= args.temperature < math.inf:
+        raise ValueError("--temperature must be a number >= 0")
+    # before the run, not after it: a result path that cannot be written would waste the whole run
+    if args.save_result:
+        out = Path(args.save_result)
+        if out.is_dir():
+            raise ValueError(f"--save-result {out}: is a directory (name a .json file)")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # a file where a parent directory should be
+            raise ValueError(f"--save-result {out}: a parent is a file, not a directory") from None
+        except OSError as e:
+            raise ValueError(f"--save-result {out}: {e.strerror or e}") from None
 
 
 def _model_name(args) -> str:

@@ -53,7 +53,14 @@ class LLMEngine(EnginePDMixin):
             raise ValueError("--gpu-memory-utilization sizes the KV cache on a CUDA device; on CPU use "
                              "--kv-cache-memory-gb")
         self.num_blocks = 2 if from_memory else self._num_blocks()  # a probe cache, resized once measured
-        self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
+        try:
+            self.runner = ModelRunner(config, self.device, self.dtype, self.max_model_len, self.num_blocks)
+        except (MemoryError, RuntimeError) as e:
+            if not memory.out_of_memory(e):
+                raise
+            raise ValueError(f"the engine's buffers do not fit in memory ({str(e).splitlines()[0][:200]}); lower "
+                             f"max_num_seqs ({config.scheduler.max_num_seqs}), max_num_batched_tokens or "
+                             f"max_model_len ({self.max_model_len})") from None
         if from_memory:
             self.num_blocks = self._num_blocks(memory.profile(self.runner))
             self.runner.resize_kv(self.num_blocks)
@@ -87,6 +94,11 @@ class LLMEngine(EnginePDMixin):
             return memory.num_blocks_for(profile, cc.gpu_memory_utilization, per_block, cap, per_seq)
         else:
             n = min(int(cc.kv_cache_memory_gb * 2**30) // per_block, cap) + 1
+        have = memory.device_memory_bytes(self.device)
+        if n * per_block > have:  # refused here: allocating it would fail with the allocator's traceback
+            flag = "num_gpu_blocks_override" if cc.num_gpu_blocks_override is not None else "kv_cache_memory_gb"
+            raise ValueError(f"{flag}: a KV cache of {n} blocks needs {n * per_block / 2**30:.1f} GiB, more than "
+                             f"the {self.device.type} device's {have / 2**30:.1f} GiB")
         if n - 1 < per_seq:
             raise ValueError(f"the KV cache ({n - 1} blocks of {cc.block_size} tokens) cannot hold one max_model_len "
                              f"({self.max_model_len}) sequence; raise kv_cache_memory_gb or lower max_model_len")

@@ -149,7 +149,12 @@ class ControlServer:
         self.nice, self.handshakes, self._live, self._lock = nice, 0, set(), threading.Lock()
         self._srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._srv.bind((host, port))
+        try:
+            self._srv.bind((host, port))
+        except OSError as e:  # the deployment's mistake: name the setting, not just the errno
+            self._srv.close()
+            raise OSError(e.errno, f"the KV server cannot listen on {host}:{port} ({e.strerror}): set kv_port (or "
+                                   f"kv_host) in --kv-transfer-config") from None
         self._srv.listen(64)
         self.port, self._closing = self._srv.getsockname()[1], threading.Event()
         threading.Thread(target=self._accept_loop, name="kv-server", daemon=True).start()

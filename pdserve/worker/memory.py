@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,18 @@ def num_blocks_for(p: MemoryProfile, utilization: float, bytes_per_block: int, m
             f"GiB to CUDA graphs; raise --gpu-memory-utilization or lower --max-model-len / "
             f"--max-num-batched-tokens / --max-num-seqs")
     return usable + 1
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """All the memory `device` has: the GPU's, or this machine's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: numpy's and Python's MemoryError, torch's CPU allocator and CUDA's OOM."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 def _settle() -> None:

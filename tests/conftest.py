@@ -10,6 +10,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_sessionstart(session):
+    # before any test's transformers oracle: MKL's first threaded vector-math call can be ~1e-4 off (layers.py)
+    from pdserve.model.layers import _warm_vml
+    _warm_vml()
+
+
 @pytest.fixture(scope="session")
 def pdserve_home(tmp_path_factory):
     home = os.environ.get("PDSERVE_TEST_HOME") or str(tmp_path_factory.mktemp("pdserve_home"))

@@ -86,6 +86,15 @@ def _inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
 
 
+def _warm_vml() -> None:
+    """A process's first threaded MKL vector-math call (cos, exp, ...: torch's float32 CPU kernels for them) can
+    return the second thread's half at low accuracy (~1e-4 relative; about 1 process in 35 on 2 cores, torch 2.13
+    CPU, an init race: NOTES.md sessions 14-15); later calls, of any of them, are exact. Calls big enough to be split
+    over threads, thrown away, before the rope table and anything after it (the sampler, transformers' rope)."""
+    x = torch.full((1 << 14,), 0.5)
+    x.cos(), x.sin(), x.exp(), x.log()
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin over all positions, computed in float32 like transformers, then cast to the model dtype, in one table
     [positions, 2, 1, head_dim] read by index once per forward. transformers' x * cos + rotate_half(x) * sin, with
@@ -97,10 +106,7 @@ class RotaryEmbedding(nn.Module):
         inv, scaling = _inv_freq(head_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        # A process's first threaded MKL cos (or sin) can return the second thread's half at low accuracy (1e-4 off;
-        # about 1 process in 40 on 2 cores, torch 2.13 CPU, an init race: NOTES.md session 14). A first call of each
-        # is thrown away, so the table is exact, and so is every later caller's (transformers' rope included).
-        emb.cos(), emb.sin()
+        _warm_vml()
         cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
         sin[:, :head_dim // 2] *= -1
         self.register_buffer("cos_sin", torch.stack((cos, sin), 1)[:, :, None], persistent=False)

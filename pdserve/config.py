@@ -116,22 +116,23 @@ def _check_types(d: dict) -> None:
     for name in _STRINGS:
         if d.get(name) is not None and not isinstance(d[name], str):
             raise ValueError(f"kv_transfer_config.{name} must be a string, got {d[name]!r}")
-    peers = d.get("kv_peers", [])
+    peers = d.get("kv_peers") or []
     if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) and _is_host_port(p) for p in peers):
         raise ValueError(f"kv_transfer_config.kv_peers must be a list of \"host:port\" strings, got {peers!r}")
-    nice = d.get("kv_server_nice", 12)
+    nice = d.get("kv_server_nice")
+    nice = 12 if nice is None else nice
     if isinstance(nice, bool) or not isinstance(nice, int):
         raise ValueError(f"kv_transfer_config.kv_server_nice must be an integer, got {nice!r}")
-    if not isinstance(d.get("kv_connector_extra_config", {}), dict):
+    if not isinstance(d.get("kv_connector_extra_config") or {}, dict):
         raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
-    kids = d.get("connectors", [])
+    kids = d.get("connectors") or []
     if not isinstance(kids, (list, tuple)) or not all(isinstance(c, dict) for c in kids):
         raise ValueError("kv_transfer_config.connectors must be a list of connector objects")
 
 
 def _is_host_port(s: str) -> bool:
     host, sep, port = s.rpartition(":")
-    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host.strip("[]") and s == s.strip() and port.isdigit() and 0 < int(port) < 65536)
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,12 @@ class KVTransferConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}")
+        # null is the default, as an omitted field (configs dumped with every field), where the default is not null
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if v is not None or defaults[k] is None}
         for required in ("kv_connector", "kv_role"):
             if required not in d:
                 raise ValueError(f"kv_transfer_config: missing field {required!r}")
-        d = dict(d)
         _check_types(d)
         # A MultiConnector's children share the deployment's token and TLS unless they set their own: a token
         # given once (e.g. --kv-auth-token) must never leave a child handshaking with an empty key.
@@ -334,7 +337,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def _check_cuda(device: str) -> None:
     import torch
     if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible (or the driver is too old)"
         raise ValueError(f"device {device!r}: {why} (use 'cpu' or 'auto')")
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():

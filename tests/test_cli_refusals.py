@@ -54,6 +54,7 @@ SERVE = [
     (kv(kv_peers="127.0.0.1:14579"), "kv_peers must be a list"),  # was a tuple of characters: every load refused
     (kv(kv_peers=["nonsense"]), "kv_peers must be a list"),
     (kv(kv_peers=["127.0.0.1:0"]), "kv_peers must be a list"),
+    (kv(kv_peers=[" 127.0.0.1:5"]), "kv_peers must be a list"),
     (kv(kv_auth_token=5), "kv_auth_token must be a string"),
     (kv(kv_advertise_host=5), "kv_advertise_host must be a string"),
     (kv(kv_server_nice="x"), "kv_server_nice must be an integer"),
@@ -103,7 +104,7 @@ def test_generate_names_the_weights_file_it_cannot_read(qwen3_tiny, tmp_path, ca
 SIZES = [
     (["--num-gpu-blocks-override", "100000000000"], "num_gpu_blocks_override: a KV cache of 100000000000 blocks"),
     (["--kv-cache-memory-gb", "100000", "--max-num-seqs", "100000"], "kv_cache_memory_gb: a KV cache of"),
-    (["--max-num-seqs", "1000000000"], "the engine's buffers do not fit in memory"),
+    (["--max-num-seqs", "1000000000"], "does not fit in the cpu device's free memory"),
     (["--seed", "99999999999999999999"], "seed must be in"),  # was "Overflow when unpacking long long"
 ]
 
@@ -124,8 +125,20 @@ ROUTER = [
     (["--prefill", "notaurl"], "--prefill: 'notaurl' is not a node URL (the scheme"),
     (["--decode", "ftp://x"], "--decode: 'ftp://x' is not a node URL"),
     (["--decode", "http://127.0.0.1:99999"], "the port must be in 1..65535"),
-    (["--prefill", "http://127.0.0.1:8100/v1"], "a base URL has no path"),
+    (["--prefill", "http://127.0.0.1:8100/v1"], "without /v1"),  # would post to /v1/v1/completions
+    (["--prefill", "http://127.0.0.1:8100/v1/"], "without /v1"),
+    (["--decode", "http://127.0.0.1:8200#x"], "no query or fragment"),  # /health would go into the fragment
+    (["--decode", "http://127.0.0.1:8200?a=1"], "no query or fragment"),
 ]
+
+
+def test_router_takes_a_node_behind_a_path_prefix():
+    from types import SimpleNamespace
+
+    from pdserve.serve.router import check_router_args
+    check_router_args(SimpleNamespace(host="127.0.0.1", port=8000, health_interval=2.0,
+                                      prefill=["http://gw:80/node1/", "http://[::1]:8100"],
+                                      decode=["https://gw/pool/d1"]))
 
 
 @pytest.mark.parametrize("flags,why", ROUTER, ids=[" ".join(f) for f, _ in ROUTER])
@@ -183,7 +196,7 @@ def test_bench_save_result_under_a_file_is_refused_up_front(qwen3_tiny, tmp_path
     err = refused(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
                    str(qwen3_tiny), "--num-prompts", "2", "--disable-tqdm", "--save-result",
                    str(tmp_path / "f" / "r.json")], capsys)
-    assert "a parent is a file" in err, err
+    assert "is a file, not a directory" in err, err
 
 
 @pytest.mark.parametrize("flags, why", [
@@ -201,3 +214,38 @@ def test_bench_pd_result_dir_that_is_a_file(qwen3_tiny, tmp_path, capsys):
     (tmp_path / "f").write_text("")
     err = refused(["bench", "pd", "--model", str(qwen3_tiny), "--result-dir", str(tmp_path / "f")], capsys)
     assert "--result-dir" in err, err
+
+
+def test_null_kv_fields_are_their_defaults():
+    """A config dumped with every field (nulls included) is read as if the nulls were left out."""
+    from pdserve.config import KVTransferConfig
+    nulls = {k: None for k in ("kv_peers", "kv_server_nice", "kv_connector_extra_config", "kv_port", "connectors")}
+    c = KVTransferConfig.from_dict({**TCP, **nulls})
+    assert (c.kv_peers, c.kv_server_nice, c.kv_connector_extra_config, c.kv_port) == ((), 12, {}, 14579)
+    with pytest.raises(ValueError, match="missing field 'kv_role'"):
+        KVTransferConfig.from_dict({**TCP, "kv_role": None})
+
+
+def test_a_config_without_max_position_embeddings_loads(qwen3_tiny, tmp_path):
+    from pdserve.model.loader import read_hf_config
+    cfg = json.loads((Path(qwen3_tiny) / "config.json").read_text())
+    cfg.pop("max_position_embeddings")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert "max_position_embeddings" not in read_hf_config(tmp_path)
+
+
+def test_an_allocation_failure_without_a_message_is_still_one_line(qwen3_tiny, capsys, monkeypatch):
+    from pdserve.core import engine
+
+    def bare(*a, **kw):
+        raise MemoryError()
+    monkeypatch.setattr(engine, "ModelRunner", bare)
+    err = refused(["generate", "--model", str(qwen3_tiny), "--prompt", "x"], capsys)
+    assert "does not fit in the cpu device's free memory (MemoryError)" in err and "kv_cache_memory_gb" in err, err
+
+
+def test_bench_pd_seed_leaves_room_for_every_rate(qwen3_tiny, capsys):
+    err = refused(["bench", "pd", "--model", str(qwen3_tiny), "--rates", "1,2,4", "--seed", str(2 ** 32 - 2000)],
+                  capsys)
+    assert "--seed must be in [0, 2**32 - 1000 x 3 rates)" in err, err
+

@@ -175,7 +175,7 @@ def test_never_replaces_what_it_did_not_build(home, tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "data.txt").write_text("precious")
     (tmp_path / "file").write_text("precious")
-    for out, why in ((tmp_path / "mine", "not empty and was not built by make-model"),
+    for out, why in ((tmp_path / "mine", "is not empty and has no .pdserve-make-model"),
                      (tmp_path / "file", "is not a directory")):
         with pytest.raises(ValueError, match=why):
             mm.make_model(out, progress=False)

@@ -104,6 +104,24 @@ def test_nixl_equals_tcp_and_collocated(pd, qwen3_tiny, collocated):
 
 
 @needs_nixl
+def test_an_ended_read_is_pending_until_the_engine_takes_its_event(pd, collocated, monkeypatch):
+    """Between a read leaving the poller's list and its event reaching the engine, has_pending() must not read
+    false: the engine loop would stop polling with the event unread (it did: a killed P's read, ended in ERR, left
+    its blocks held in a loaded full suite). Peer release ran in that gap, so it looks there."""
+    p, d = pd
+    c = d.engine.connector.consumer
+    seen, release = [], c.peers.release
+
+    def looked(*a, **kw):
+        with c._cv:  # the read itself, or its event: one of them is always there (the tcp side aside)
+            seen.append(bool(c._reads or c._events))
+        return release(*a, **kw)
+    monkeypatch.setattr(c.peers, "release", looked)
+    assert tokens(decode_on(d, PROMPTS[:1], prefill_on(p, PROMPTS[:1]))) == collocated[:1]
+    assert seen == [True], seen
+
+
+@needs_nixl
 def test_multi_connector_takes_nixl(pd, qwen3_tiny, collocated):
     p, _ = pd
     tp = producer(qwen3_tiny, free_port(), "TcpConnector")

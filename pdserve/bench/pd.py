@@ -77,8 +77,8 @@ def _parse(args) -> tuple[list[str], list[float]]:
     if args.warmup < 0 or not 0 <= args.random_range_ratio < 1:
         raise ValueError("--warmup must be >= 0" if args.warmup < 0 else "--random-range-ratio must be in [0, 1)")
     arrival_offsets(1, 1.0, args.burstiness)  # raises naming --burstiness
-    if not 0 <= args.seed < 2 ** 32:
-        raise ValueError("--seed must be in [0, 2**32)")
+    if not 0 <= args.seed < 2 ** 32 - 1000 * len(rates):  # rate i runs with seed + 1000 i
+        raise ValueError(f"--seed must be in [0, 2**32 - 1000 x {len(rates)} rates)")
     if not 0 < args.ready_timeout < math.inf:  # NaN fails both comparisons
         raise ValueError("--ready-timeout must be a number of seconds > 0")
     if args.router == "vllm-router" and vllm_router_program() is None:

@@ -91,15 +91,14 @@ def _check(args) -> None:
         raise ValueError("--temperature must be a number >= 0")
     # before the run, not after it: a result path that cannot be written would waste the whole run
     if args.save_result:
-        out = Path(args.save_result)
+        out = Path(args.save_result).absolute()
         if out.is_dir():
-            raise ValueError(f"--save-result {out}: is a directory (name a .json file)")
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:  # a file where a parent directory should be
-            raise ValueError(f"--save-result {out}: a parent is a file, not a directory") from None
-        except OSError as e:
-            raise ValueError(f"--save-result {out}: {e.strerror or e}") from None
+            raise ValueError(f"--save-result {args.save_result}: is a directory (name a .json file)")
+        parent = next(p for p in out.parents if p.exists())  # the directories below it are made at save time
+        if not parent.is_dir():
+            raise ValueError(f"--save-result {args.save_result}: {parent} is a file, not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--save-result {args.save_result}: {parent} is not writable")
 
 
 def _model_name(args) -> str:

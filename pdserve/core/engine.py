@@ -58,9 +58,12 @@ class LLMEngine(EnginePDMixin):
         except (MemoryError, RuntimeError) as e:
             if not memory.out_of_memory(e):
                 raise
-            raise ValueError(f"the engine's buffers do not fit in memory ({str(e).splitlines()[0][:200]}); lower "
-                             f"max_num_seqs ({config.scheduler.max_num_seqs}), max_num_batched_tokens or "
-                             f"max_model_len ({self.max_model_len})") from None
+            why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"the engine does not fit in the {self.device.type} device's free memory ({why}): the "
+                             f"weights, a KV cache of {self.num_blocks} blocks (kv_cache_memory_gb or "
+                             f"num_gpu_blocks_override) and buffers for max_num_seqs "
+                             f"{config.scheduler.max_num_seqs} and max_model_len {self.max_model_len}; lower one of "
+                             f"these") from None
         if from_memory:
             self.num_blocks = self._num_blocks(memory.profile(self.runner))
             self.runner.resize_kv(self.num_blocks)

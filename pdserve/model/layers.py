@@ -91,8 +91,8 @@ def _warm_vml() -> None:
     return the second thread's half at low accuracy (~1e-4 relative; about 1 process in 35 on 2 cores, torch 2.13
     CPU, an init race: NOTES.md sessions 14-15); later calls, of any of them, are exact. Calls big enough to be split
     over threads, thrown away, before the rope table and anything after it (the sampler, transformers' rope)."""
-    x = torch.full((1 << 14,), 0.5)
-    x.cos(), x.sin(), x.exp(), x.log()
+    x = torch.full((2048 * max(8, torch.get_num_threads()),), 0.5, dtype=torch.float32, device="cpu")
+    x.cos(), x.sin()  # not exp/log: a warm exp made tiny-model decode ~10% slower in a noisy A/B (NOTES.md)
 
 
 class RotaryEmbedding(nn.Module):

@@ -25,6 +25,8 @@ def read_hf_config(model_dir: str | Path) -> dict:
         raise ValueError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)}")
     for key in SIZES:
         v = cfg.get(key)
+        if v is None and key == "max_position_embeddings":  # optional: the engine assumes 4096
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{path}: {key} must be a positive integer, got {v!r}")
     return cfg

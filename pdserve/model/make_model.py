@@ -218,8 +218,8 @@ def _check_replaceable(out: pathlib.Path) -> None:
     if not out.is_dir() or out.is_symlink():
         raise ValueError(f"{out} exists and is not a directory (--out): choose a new or empty directory")
     if any(out.iterdir()) and not (out / MARKER).is_file():
-        raise ValueError(f"{out} is not empty and was not built by make-model (--out): choose a new or empty "
-                         "directory; nothing was changed")
+        raise ValueError(f"{out} is not empty and has no {MARKER} (--out): choose a new or empty directory, or "
+                         "delete it yourself if it is a make-model build from before the marker; nothing was changed")
 
 
 def is_complete(d: pathlib.Path) -> bool:

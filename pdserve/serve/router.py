@@ -401,8 +401,10 @@ def _bad_url(url: str) -> Optional[str]:
         return "no host"
     if port is not None and not 0 < port < 65536:
         return "the port must be in 1..65535"
-    if u.path not in ("", "/") or u.query:
-        return "a base URL has no path or query: the router adds /v1/..."
+    if u.query or u.fragment:
+        return "a base URL has no query or fragment: the router appends /v1/... to it"
+    if u.path.rstrip("/").endswith("/v1"):
+        return "give the node's base URL, without /v1: the router appends /v1/... to it"
     return None
 
 

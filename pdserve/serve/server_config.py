@@ -36,7 +36,7 @@ class ServerConfig:
         if not self.host.strip():  # uvicorn would listen on every interface: an unset variable, not a wish
             raise ValueError("host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key is empty: leave it out for no key (an empty one would turn auth off)")
+            raise ValueError("api_key is empty: leave --api-key out (and PDSERVE_API_KEY unset) for no key")
         if any(not n.strip() for n in self.served_model_name):
             raise ValueError("served_model_name: a name must not be empty")
         if not 0 <= self.port < 65536:

@@ -213,14 +213,17 @@ class NixlConsumer:
             self.nstats.count("num_failed_transfers")
             self.stats.count("nixl_read_error")
         self.agent.release(r.xfer)
-        with self._cv:
-            self._reads.remove(r)
         self.peers.release(r.peer, suspect=state == "ERR")
         if state == "ERR" and not r.overdue:  # P may be alive (then it frees now), or gone (then nothing is lost)
             with suppress(RuntimeError):  # shut down meanwhile
                 self._loaders.submit(peer_of(r.job.params), self._tell_done, r.endpoint,
                                      str(r.job.params.get("transfer_id")))
-        self._event("done" if used else "ended" if r.overdue else "failed", r, "KV load failed: NIXL read error")
+        # the read leaves _reads as its event arrives, in one step: has_pending() never reads false in between
+        # (the engine would stop polling with the event unread: an ended read's blocks held until the next request)
+        with self._cv:
+            self._reads.remove(r)
+            self._events.append(("done" if used else "ended" if r.overdue else "failed", r.job.request_id,
+                                 "KV load failed: NIXL read error", r))
 
     def _event(self, kind: str, r: _Read, why: str) -> None:
         with self._cv:

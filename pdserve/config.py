@@ -111,21 +111,21 @@ _STRINGS = ("kv_connector", "kv_role", "engine_id", "kv_host", "kv_advertise_hos
 
 
 def _check_types(d: dict) -> None:
-    """JSON types of the fields, named on failure: a wrong one would otherwise surface at start-up as an
-    AttributeError, or not at all (kv_peers as one string became a tuple of characters: every load refused)."""
+    """JSON types of the fields (nulls already dropped), named on failure: a wrong one would otherwise surface at
+    start-up as an AttributeError, or not at all (kv_peers as one string became a tuple of characters: every
+    load refused)."""
     for name in _STRINGS:
         if d.get(name) is not None and not isinstance(d[name], str):
             raise ValueError(f"kv_transfer_config.{name} must be a string, got {d[name]!r}")
-    peers = d.get("kv_peers") or []
+    peers = d.get("kv_peers", [])
     if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) and _is_host_port(p) for p in peers):
         raise ValueError(f"kv_transfer_config.kv_peers must be a list of \"host:port\" strings, got {peers!r}")
-    nice = d.get("kv_server_nice")
-    nice = 12 if nice is None else nice
+    nice = d.get("kv_server_nice", 12)
     if isinstance(nice, bool) or not isinstance(nice, int):
         raise ValueError(f"kv_transfer_config.kv_server_nice must be an integer, got {nice!r}")
-    if not isinstance(d.get("kv_connector_extra_config") or {}, dict):
+    if not isinstance(d.get("kv_connector_extra_config", {}), dict):
         raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
-    kids = d.get("connectors") or []
+    kids = d.get("connectors", [])
     if not isinstance(kids, (list, tuple)) or not all(isinstance(c, dict) for c in kids):
         raise ValueError("kv_transfer_config.connectors must be a list of connector objects")
 
@@ -337,7 +337,8 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def _check_cuda(device: str) -> None:
     import torch
     if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible (or the driver is too old)"
+        why = "this torch build has no CUDA" if torch.version.cuda is None else \
+            "no CUDA device is visible (or the driver is too old)"
         raise ValueError(f"device {device!r}: {why} (use 'cpu' or 'auto')")
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():

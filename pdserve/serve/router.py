@@ -45,7 +45,6 @@ Stages a request did not pass (no P asked, no KV handed over) are not observed.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -55,12 +54,12 @@ from typing import Optional
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from pdserve.serve.router_nodes import Fleet, Node, error_of
+from pdserve.serve.router_relay import error, relay_answer
 from pdserve.serve.router_timing import KV_UNUSED_HEADER, TtftSplit, parse_server_timing
 from pdserve.transfer.proof import NOT_VERIFIED
 
@@ -73,10 +72,6 @@ async def _wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (its body was read already, so only the disconnect is left to receive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 class Router(Fleet):
@@ -250,48 +245,9 @@ class Router(Fleet):
         if ok and not body.get("stream") and "ttft" in d_timing:
             # A whole answer: the router never sees the first token, D's own TTFT stands in for it.
             self.ttft.observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
-        media = upstream.headers.get("content-type", "application/json")
-        if "text/event-stream" not in media:  # a whole answer: read it all, so a D that breaks off is a clean 502
-            try:
-                content = await upstream.aread()
-            except httpx.HTTPError as e:
-                logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, e)
-                return error(502, f"decode node {node.url} broke off its answer: {e}", "bad_gateway")
-            finally:
-                node.in_flight -= 1
-                await upstream.aclose()
-            return Response(content, upstream.status_code, media_type=media, headers={"X-Request-Id": rid})
-        first = [ok]
-        released = [False]
-        tail = [b"\n\n"]  # the stream's last bytes: where the events stand if D breaks off
-
-        async def release():  # idempotent: from the relay's end, or the background task if the relay never ran
-            if not released[0]:
-                released[0] = True
-                node.in_flight -= 1
-                await upstream.aclose()
-
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    if first[0]:
-                        first[0] = False
-                        self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing, bool(params))
-                    tail[0] = (tail[0] + chunk)[-16:]
-                    yield chunk
-            except httpx.HTTPError as e:  # D went away mid-stream: the headers are out, so end the stream cleanly
-                logger.warning("[%s] decode node %s broke off its stream: %s", rid, node.url, e)
-                if not tail[0].endswith(b"data: [DONE]\n\n"):  # D had not ended it already
-                    err = {"message": f"decode node {node.url} broke off its answer: {e}", "type": "bad_gateway",
-                           "code": 502}
-                    # a chunk may end inside an event: close it first, so the error event parses on its own
-                    yield (b"" if tail[0].endswith(b"\n\n") else b"\n\n") + \
-                        f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
-            finally:
-                await release()
-
-        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
-                                 headers={"X-Request-Id": rid}, background=BackgroundTask(release))
+        on_first = (lambda: self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing,
+                                              bool(params))) if ok else None
+        return await relay_answer(upstream, node, rid, on_first)
 
     async def _refused(self, upstream: httpx.Response, p: Node, d: Node) -> Response:
         """D's 400 to a P/D request: on the params this router relayed unaltered it is a deployment error, answered
@@ -357,76 +313,3 @@ def build_app(router: Router) -> FastAPI:
         return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="Prefill node base URLs (http[s]://host:port).")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="Decode node base URLs (http[s]://host:port).")
-    p.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
-    p.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
-    p.add_argument("--policy", choices=("round-robin", "least-loaded"), default="round-robin",
-                   help="How a P and a D are chosen among the healthy ones (default: round-robin).")
-    p.add_argument("--health-interval", type=float, default=1.0,
-                   help="Seconds between node health checks and P -> D probes (default: 1.0).")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
-                   help="Log level (default: info).")
-
-
-def check_router_args(args) -> None:
-    """What uvicorn or the health loop would take badly, refused naming the flag: an empty --host listens on
-    every interface, a port over 65535 wraps around, a zero interval spins."""
-    if not args.host.strip():
-        raise ValueError("--host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if not 0 < args.health_interval < float("inf"):
-        raise ValueError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
-    for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
-        for url in urls:
-            if (why := _bad_url(url)) is not None:
-                raise ValueError(f"{flag}: {url!r} is not a node URL ({why}); e.g. http://127.0.0.1:8100")
-
-
-def _bad_url(url: str) -> Optional[str]:
-    try:
-        u = httpx.URL(url)
-        port = u.port
-    except (httpx.InvalidURL, ValueError) as e:
-        return str(e)
-    if u.scheme not in ("http", "https"):
-        return "the scheme must be http or https"
-    if not u.host:
-        return "no host"
-    if port is not None and not 0 < port < 65536:
-        return "the port must be in 1..65535"
-    if u.query or u.fragment:
-        return "a base URL has no query or fragment: the router appends /v1/... to it"
-    if u.path.rstrip("/").endswith("/v1"):
-        return "give the node's base URL, without /v1: the router appends /v1/... to it"
-    return None
-
-
-def run_router(args) -> int:
-    import uvicorn
-    check_router_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.prefill, args.decode, args.policy, args.health_interval)
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
-    return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve router", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_router_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_router(args)
-    except ValueError as e:
-        parser.exit(2, f"pdserve router: error: {e}\n")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

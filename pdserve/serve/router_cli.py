@@ -1,0 +1,84 @@
+"""`pdserve router`'s command line: its flags, the checks that refuse a bad one by name, and the uvicorn run.
+What the router does with a request is in router.py's docstring (`python -m pdserve.serve.router_cli --help`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Optional
+
+import httpx
+
+from pdserve.serve import router as _router
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="Prefill node base URLs (http[s]://host:port).")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="Decode node base URLs (http[s]://host:port).")
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
+    p.add_argument("--policy", choices=("round-robin", "least-loaded"), default="round-robin",
+                   help="How a P and a D are chosen among the healthy ones (default: round-robin).")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="Seconds between node health checks and P -> D probes (default: 1.0).")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
+                   help="Log level (default: info).")
+
+
+def check_router_args(args) -> None:
+    """What uvicorn or the health loop would take badly, refused naming the flag: an empty --host listens on
+    every interface, a port over 65535 wraps around, a zero interval spins."""
+    if not args.host.strip():
+        raise ValueError("--host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 < args.health_interval < float("inf"):
+        raise ValueError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
+    for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
+        for url in urls:
+            if (why := _bad_url(url)) is not None:
+                raise ValueError(f"{flag}: {url!r} is not a node URL ({why}); e.g. http://127.0.0.1:8100")
+
+
+def _bad_url(url: str) -> Optional[str]:
+    try:
+        u = httpx.URL(url)
+        port = u.port
+    except (httpx.InvalidURL, ValueError) as e:
+        return str(e)
+    if u.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not u.host:
+        return "no host"
+    if port is not None and not 0 < port < 65536:
+        return "the port must be in 1..65535"
+    if u.query or u.fragment:
+        return "a base URL has no query or fragment: the router appends /v1/... to it"
+    if u.path.rstrip("/").endswith("/v1"):
+        return "give the node's base URL, without /v1: the router appends /v1/... to it"
+    return None
+
+
+def run_router(args) -> int:
+    import uvicorn
+    check_router_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval)
+    uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve router", description=_router.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_router_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_router(args)
+    except ValueError as e:
+        parser.exit(2, f"pdserve router: error: {e}\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

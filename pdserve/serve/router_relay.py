@@ -1,0 +1,75 @@
+"""The router's last leg: D's answer, streamed or whole, relayed to the client unchanged.
+
+A whole answer (not `text/event-stream`) is read to its end before anything goes out, so a D that breaks off is a
+clean 502. A stream goes out as D sends it; a D that breaks off once the headers are out gets the stream ended
+for it, with an error event and `[DONE]` (unless D had sent its `[DONE]` already). Either way D's node is released
+(its in-flight count, the upstream connection) exactly once: from the relay's end, or from the response's
+background task when the client left before the relay ran.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Optional
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pdserve.serve.router_nodes import Node
+
+logger = logging.getLogger("pdserve.router")
+DONE = b"data: [DONE]\n\n"
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
+                       on_first_chunk: Optional[Callable[[], None]]) -> Response:
+    """`upstream` is D's open answer (headers in, body not read); `on_first_chunk` runs when the first body chunk
+    of a stream goes out."""
+    media = upstream.headers.get("content-type", "application/json")
+    if "text/event-stream" not in media:
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as e:
+            logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, e)
+            return error(502, f"decode node {node.url} broke off its answer: {e}", "bad_gateway")
+        finally:
+            node.in_flight -= 1
+            await upstream.aclose()
+        return Response(content, upstream.status_code, media_type=media, headers={"X-Request-Id": rid})
+    released = False
+    tail = b"\n\n"  # the stream's last bytes: where the events stand if D breaks off
+
+    async def release():
+        nonlocal released
+        if not released:
+            released = True
+            node.in_flight -= 1
+            await upstream.aclose()
+
+    async def relay():
+        nonlocal tail, on_first_chunk
+        try:
+            async for chunk in upstream.aiter_raw():
+                if on_first_chunk is not None:
+                    on_first_chunk, first = None, on_first_chunk
+                    first()
+                tail = (tail + chunk)[-16:]
+                yield chunk
+        except httpx.HTTPError as e:  # the headers are out: end the stream cleanly
+            logger.warning("[%s] decode node %s broke off its stream: %s", rid, node.url, e)
+            if not tail.endswith(DONE):
+                err = {"message": f"decode node {node.url} broke off its answer: {e}", "type": "bad_gateway",
+                       "code": 502}
+                # a chunk may end inside an event: close it first, so the error event parses on its own
+                event = f"data: {json.dumps({'error': err})}\n\n".encode()
+                yield (b"" if tail.endswith(b"\n\n") else b"\n\n") + event + DONE
+        finally:
+            await release()
+
+    return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
+                             headers={"X-Request-Id": rid}, background=BackgroundTask(release))

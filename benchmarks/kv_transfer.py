@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model.make_model import ensure_model
 from pdserve.transfer.base import LoadJob
 from pdserve.transfer.handshake import client_handshake

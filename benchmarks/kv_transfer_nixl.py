@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from pdserve import LLM
-from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model.make_model import ensure_model
 from pdserve.transfer.base import ConnectorMeta, LoadJob
 from pdserve.transfer.tcp import TcpConnector

@@ -218,7 +218,7 @@ def test_bench_pd_result_dir_that_is_a_file(qwen3_tiny, tmp_path, capsys):
 
 def test_null_kv_fields_are_their_defaults():
     """A config dumped with every field (nulls included) is read as if the nulls were left out."""
-    from pdserve.config import KVTransferConfig
+    from pdserve.kv_transfer_config import KVTransferConfig
     nulls = {k: None for k in ("kv_peers", "kv_server_nice", "kv_connector_extra_config", "kv_port", "connectors")}
     c = KVTransferConfig.from_dict({**TCP, **nulls})
     assert (c.kv_peers, c.kv_server_nice, c.kv_connector_extra_config, c.kv_port) == ((), 12, {}, 14579)

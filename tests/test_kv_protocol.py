@@ -132,7 +132,7 @@ def kv_server():
     """A producer's KV server alone (no engine, no KV cache): only handshakes and reads of unknown leases."""
     from types import SimpleNamespace
 
-    from pdserve.config import KVTransferConfig
+    from pdserve.kv_transfer_config import KVTransferConfig
     from pdserve.transfer.tcp import TcpConnector
     cfg = KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 0,
                                       "kv_auth_token": "secret", "kv_transfer_timeout": 1.0})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.transfer.handshake import client_handshake
 from pdserve.transfer.protocol import GROUP, TAIL, ProtocolError, Session, tune
 from pdserve.transfer.tcp import TcpConnector

@@ -34,7 +34,7 @@ def test_do_remote_decode_sent_to_a_decode_node_is_refused(qwen3_tiny):
 
 
 def test_multiconnector_children_inherit_token_and_tls():
-    from pdserve.config import KVTransferConfig
+    from pdserve.kv_transfer_config import KVTransferConfig
     cfg = KVTransferConfig.from_dict({
         "kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_auth_token": "s3cret",
         "connectors": [{"kv_connector": "TcpConnector", "kv_role": "kv_producer"},

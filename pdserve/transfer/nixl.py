@@ -49,7 +49,7 @@ import uuid
 from contextlib import suppress
 from typing import Optional
 
-from pdserve.config import LOOPBACK
+from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.transfer import nixl_agent
 from pdserve.transfer.base import FinishedTransfers, register_connector
 from pdserve.transfer.leases import LeaseTable

@@ -29,7 +29,7 @@ import threading
 import time
 from contextlib import suppress
 
-from pdserve.config import LOOPBACK
+from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, LoadJob, load_job
 from pdserve.transfer.leases import LeaseKeeper, ask_renew, prompt_hash, send_done

@@ -38,7 +38,7 @@ def fakes(tiny_model_dir: str):
     """The fake model behind ModelRunner, the tokenizer loaded once, the fake connector known to the config (its
     validation accepts only KNOWN_CONNECTORS; PD_CONNECTORS makes a consumer of it a P/D consumer, as tcp's).
     Yields the model directory the fuzzer's engines load."""
-    import pdserve.config as config
+    import pdserve.kv_transfer_config as config
     from pdserve.core import engine
     from tests.fuzz.fake_connector import NAME
     model_dir = make_model_dir(tiny_model_dir, Path(tempfile.mkdtemp(prefix="pdserve-fuzz-")) / "fake-model")

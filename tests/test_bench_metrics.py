@@ -43,7 +43,7 @@ def test_percentiles_interpolate_linearly():
 def test_failed_requests_are_counted_not_measured():
     bad = RequestResult(error="HTTP 500: boom")
     m = compute_metrics([req(0.1, [0.01]), bad], duration_s=1.0)
-    assert (m.completed, m.failed) == (1, 1) and m.errors == ["HTTP 500: boom"]
+    assert (m.completed, m.failed) == (1, 1) and m.error_summary == ["HTTP 500: boom"]
     assert m.ttft_ms["mean"] == pytest.approx(100.0)
 
 
@@ -63,8 +63,8 @@ def test_goodput_counts_requests_meeting_every_slo():
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
 def test_arrivals_have_the_rate_and_burstiness_asked_for(burstiness):
     t = np.array(arrival_offsets(20000, rate=50.0, burstiness=burstiness, seed=1))
-    gaps = np.diff(t)
-    assert t[0] == 0 and np.all(gaps >= 0)
+    gaps = np.diff(t, prepend=0.0)  # the first request waits its gap too, as vLLM
+    assert t[0] > 0 and np.all(gaps >= 0)
     assert 1 / gaps.mean() == pytest.approx(50.0, rel=0.03)
     cv2 = gaps.var() / gaps.mean() ** 2  # a gamma process with shape k has CV^2 = 1/k
     assert cv2 == pytest.approx(1 / burstiness, rel=0.08)
@@ -72,12 +72,27 @@ def test_arrivals_have_the_rate_and_burstiness_asked_for(burstiness):
     assert arrival_offsets(5, 50.0, burstiness, seed=1) == arrival_offsets(5, 50.0, burstiness, seed=1)  # seeded
 
 
+def test_small_runs_keep_the_rate():
+    """n gaps of mean 1/rate, not n - 1 gaps stretched over n/rate (that ran 8 requests 12% slow)."""
+    for seed in range(50):
+        t = arrival_offsets(4, 2.0, seed=seed)
+        assert t[0] > 0 and np.diff(t, prepend=0.0).mean() == pytest.approx(0.5)
+
+
 def test_arrivals_edge_cases():
     assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+    assert arrival_offsets(4, 2.0, burstiness=math.inf) == [0.5, 1.0, 1.5, 2.0]  # constant gaps, as vLLM
     with pytest.raises(ValueError, match="--burstiness"):
         arrival_offsets(3, 1.0, burstiness=0)
     with pytest.raises(ValueError, match="--request-rate"):
         arrival_offsets(3, 0.0)
+
+
+def test_random_lengths_span_floor_to_ceil():
+    """As vLLM: [floor(mean (1 - r)), ceil(mean (1 + r))]; truncating both ends drew a mean of 9.5 for 10."""
+    from pdserve.bench.datasets import _lengths
+    lens = _lengths(np.random.default_rng(0), 20000, 10, 0.25)
+    assert (lens.min(), lens.max()) == (7, 13) and lens.mean() == pytest.approx(10.0, abs=0.05)
 
 
 def test_random_dataset_lengths_and_determinism(qwen3_tiny):
@@ -130,3 +145,36 @@ def test_server_counters_are_differenced_over_the_run():
     split = ttft_split_ms({"kv_transfer": (1.0, 10), "total": (5.0, 10)},
                           {"kv_transfer": (1.3, 13), "total": (5.6, 13), "prefill": (0.09, 3)})
     assert split == pytest.approx({"kv_transfer": 100.0, "total": 200.0, "prefill": 30.0})
+
+
+def test_warmup_leaves_the_measured_prompts_alone(qwen3_tiny):
+    """Warm-up prompts were the first of the measured stream, so --warmup changed what was measured."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pdserve.bench.serve import _samples
+    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
+    args = dict(dataset="random", num_prompts=3, random_input_len=16, random_output_len=6, random_range_ratio=0.5,
+                seed=0, dataset_path=None)
+    cold, none = _samples(SimpleNamespace(warmup=0, **args), tok)
+    measured, warm = _samples(SimpleNamespace(warmup=2, **args), tok)
+    assert none == [] and measured == cold and len(warm) == 2 and not set(warm) & set(measured)
+
+
+def test_ignore_eos_defaults_on_for_random_prompts(qwen3_tiny, monkeypatch):
+    """As vLLM's client: a random prompt's drawn output length is what it gets, unless --no-ignore-eos."""
+    import argparse
+
+    from pdserve.bench import serve
+    p = argparse.ArgumentParser()
+    serve.add_bench_serve_args(p)
+    seen = []
+    monkeypatch.setattr(serve, "_model_name", lambda args: "m")
+    monkeypatch.setattr(serve, "_run", lambda specs, *a: seen.append(specs) or (_ for _ in ()).throw(SystemExit))
+    for flags, want in (([], True), (["--no-ignore-eos"], False)):
+        args = p.parse_args(["--tokenizer", str(qwen3_tiny), "--num-prompts", "2", "--random-input-len", "8",
+                             "--metrics-url", "http://127.0.0.1:9", *flags])
+        with pytest.raises(SystemExit):
+            serve.run_bench_serve(args, quiet=True)
+        assert all(s.ignore_eos is want for s in seen[-1])

@@ -60,7 +60,7 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
         assert sum(f" {label} " in line for line in data_lines) == 2, table
     assert (tmp_path / "bench_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --ignore-eos: the router and a single server count the same tokens for every request
-    lens = {a: json.loads((tmp_path / f"{a}_rate4.json").read_text())["per_request"]["output_lens"]
+    lens = {a: json.loads((tmp_path / f"{a}_rate4.json").read_text())["output_lens"]
             for a in ("collocated", "strict", "default")}
     assert lens["collocated"] == lens["strict"] == lens["default"] == [12] * 6
 

@@ -67,7 +67,7 @@ def test_chat_endpoint_skips_the_role_chunk(null_server, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["completed"] == 20 and res["total_output_tokens"] == 40
-    assert all(len(gaps) == 1 for gaps in res["per_request"]["itls"])  # 2 content chunks: 1 gap, role chunk skipped
+    assert all(len(gaps) == 1 for gaps in res["itls"])  # 2 content chunks: 1 gap, role chunk skipped
 
 
 @pytest.mark.parametrize("args, flag", [

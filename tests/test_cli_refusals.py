@@ -173,7 +173,6 @@ def test_help_states_each_default_once(command, capsys):
 BENCH_SERVE = [
     (["--request-rate", "nan"], "--request-rate must be > 0"),  # was sent all at once, as inf
     (["--burstiness", "nan"], "--burstiness must be"),
-    (["--burstiness", "inf"], "--burstiness must be"),
     (["--seed", "-1"], "--seed must be in"),  # was numpy's "expected non-negative integer"
     (["--request-timeout", "0"], "--request-timeout must be"),  # was every request failing at once
     (["--request-timeout", "nan"], "--request-timeout must be"),

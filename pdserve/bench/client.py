@@ -19,7 +19,7 @@ class RequestSpec:
     endpoint: Endpoint
     model: str
     prompt: str
-    prompt_len: int
+    prompt_len: Optional[int]  # None: not known to the client (a jsonl prompt without a tokenizer)
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -38,19 +38,28 @@ def build_payload(spec: RequestSpec) -> dict:
     return body
 
 
-def _content(chunk: dict) -> str:
-    """The text a chunk carries. Chunks without any (a chat role delta, the usage chunk, an empty text held back
-    by the server's detokenizer) are not tokens for TTFT and ITL."""
+def _token_chunk(chunk: dict) -> Optional[str]:
+    """The text of a chunk that carries tokens, "" included, as vLLM's client: a special token, a text the server's
+    detokenizer holds back, the last chunk (EOS or a stop token, its finish_reason set) all carry one, and they
+    count for TTFT, ITL and E2EL. None for a chunk that carries none: the usage chunk (no choices) and a chat
+    stream's opening role delta (vLLM's client counts that one as the first token; it comes before any is made)."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return None
     c = choices[0]
-    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+    if "delta" in c:
+        delta = c.get("delta") or {}
+        if "role" in delta and not delta.get("content") and c.get("finish_reason") is None:
+            return None
+        return delta.get("content") or ""
+    return c.get("text") or ""
 
 
 async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokenizer=None) -> RequestResult:
-    """Streams one request. Output tokens come from the final usage chunk; without one, from the tokenizer (or the
-    number of content chunks when there is no tokenizer either)."""
+    """Streams one request. Output tokens come from the final usage chunk; without one (or a count of 0 after
+    tokens came), from the tokenizer, or the number of token chunks when there is no tokenizer either. The prompt's
+    length is the usage's `prompt_tokens` when the server gives it (a chat template's tokens included), else the
+    client's own count (None when it has no tokenizer)."""
     res = RequestResult(prompt_len=spec.prompt_len)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     text, usage, chunks = [], None, 0
@@ -80,8 +89,8 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokeni
                     res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                     return res
                 usage = chunk.get("usage") or usage
-                piece = _content(chunk)
-                if not piece:
+                piece = _token_chunk(chunk)
+                if piece is None:
                     continue
                 now = time.perf_counter()
                 if chunks == 0:
@@ -90,18 +99,22 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec, tokeni
                     res.itl.append(now - last)
                 last, chunks = now, chunks + 1
                 text.append(piece)
-        res.latency = last - start  # vLLM's E2EL: to the last content chunk, not to [DONE]
+        res.latency = last - start  # vLLM's E2EL: to the last token chunk, not to [DONE]
     except Exception as e:  # one request's failure is counted, never the run's end
         res.error = f"{type(e).__name__}: {e}"
         return res
+    res.success = chunks > 0
+    if not res.success:
+        res.error = "no token chunk received"
+        return res
     res.generated_text = "".join(text)
-    if usage and usage.get("completion_tokens") is not None:
-        res.output_tokens = int(usage["completion_tokens"])
+    usage = usage if isinstance(usage, dict) else {}
+    if isinstance(usage.get("prompt_tokens"), int):
+        res.prompt_len = usage["prompt_tokens"]
+    if isinstance(usage.get("completion_tokens"), int) and usage["completion_tokens"] > 0:
+        res.output_tokens = usage["completion_tokens"]
     elif tokenizer is not None:
         res.output_tokens = len(tokenizer.encode(res.generated_text, add_special_tokens=False))
     else:
         res.output_tokens = chunks
-    res.success = chunks > 0
-    if not res.success:
-        res.error = "no content chunk received"
     return res

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -11,14 +13,15 @@ import numpy as np
 @dataclass(frozen=True)
 class SampleRequest:
     prompt: str
-    prompt_len: int
+    prompt_len: Optional[int]  # None: unknown here (a jsonl prompt without a tokenizer; the server's usage says)
     output_len: int
 
 
 def _lengths(rng, n: int, mean: int, ratio: float) -> np.ndarray:
     if not 0 <= ratio < 1:
         raise ValueError("--random-range-ratio must be in [0, 1)")
-    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    # floor and ceil, as vLLM: truncating both ends drew a mean below the one asked for (9.5 for 10 at 0.25)
+    lo, hi = max(1, math.floor(mean * (1 - ratio))), max(1, math.ceil(mean * (1 + ratio)))
     return rng.integers(lo, hi + 1, size=n)
 
 
@@ -45,7 +48,7 @@ def random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
 
 def jsonl_dataset(path: str, num_prompts: int, output_len: int, tokenizer=None) -> list[SampleRequest]:
     """One JSON object per line with a `prompt` (or `text`) string and optionally `output_len`; cycled up to
-    num_prompts. Without a tokenizer prompt_len is 0 (input-token throughput is then not reported)."""
+    num_prompts. Without a tokenizer prompt_len is None: the server's usage gives it, else the totals say n/a."""
     rows = []
     with Path(path).open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -58,7 +61,7 @@ def jsonl_dataset(path: str, num_prompts: int, output_len: int, tokenizer=None) 
                 raise ValueError(f"--dataset-path {path}:{lineno}: expected a JSON object with 'prompt' ({e})")
             if not isinstance(prompt, str):
                 raise ValueError(f"--dataset-path {path}:{lineno}: 'prompt' must be a string")
-            n = len(tokenizer.encode(prompt, add_special_tokens=False)) if tokenizer is not None else 0
+            n = len(tokenizer.encode(prompt, add_special_tokens=False)) if tokenizer is not None else None
             rows.append(SampleRequest(prompt, n, int(obj.get("output_len", output_len))))
     if not rows:
         raise ValueError(f"--dataset-path {path}: no prompts")

@@ -1,8 +1,10 @@
 """Serving metrics with vLLM's definitions, from per-request timestamps.
 
-TTFT: send -> first chunk carrying content. TPOT: (E2EL - TTFT) / (output tokens - 1), per request, for requests
-with more than one token. ITL: every gap between consecutive content chunks, pooled over requests. E2EL: send ->
-end of the response. A request is good (goodput) when it meets every SLO given.
+TTFT: send -> first chunk carrying a token (its text may be empty). TPOT: (E2EL - TTFT) / (output tokens - 1), per
+request, for requests with more than one token. ITL: every gap between consecutive token chunks, pooled over requests
+(a chunk of several tokens, e.g. with speculative decoding, is one gap). E2EL: send -> the last token chunk. A
+request is good (goodput) when it meets every SLO given. Input tokens are the server's usage `prompt_tokens` where it
+gives them; when neither it nor a tokenizer gives a request's count, the totals that need it are None ("n/a").
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 @dataclass
 class RequestResult:
     success: bool = False
-    prompt_len: int = 0
+    prompt_len: Optional[int] = 0
     output_tokens: int = 0
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -72,56 +74,68 @@ class BenchmarkMetrics:
     completed: int
     failed: int
     duration_s: float
-    total_input_tokens: int
+    total_input_tokens: Optional[int]
     total_output_tokens: int
     request_throughput: float
     output_throughput: float
-    total_token_throughput: float
+    total_token_throughput: Optional[float]
     request_goodput: Optional[float]
     ttft_ms: dict
     tpot_ms: dict
     itl_ms: dict
     e2el_ms: dict
-    errors: list = field(default_factory=list)
+    error_summary: list = field(default_factory=list)  # the distinct errors, first 10
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def vllm_keys(self) -> dict:
+        """The same figures under the flat keys of vLLM's saved result (`duration`, `mean_ttft_ms`,
+        `p99_itl_ms`, ...), so scripts written for `vllm bench serve` files read these too."""
+        out = {"duration": self.duration_s}
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            out.update({f"{k}_{name}_ms": v for k, v in getattr(self, f"{name}_ms").items()})
+        return out
 
 
 def compute_metrics(results: list[RequestResult], duration_s: float,
                     slos: Optional[dict[str, float]] = None) -> BenchmarkMetrics:
     ok = [r for r in results if r.success]
-    n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    n_in = None if any(r.prompt_len is None for r in ok) else sum(r.prompt_len for r in ok)
     dur = max(duration_s, 1e-9)
     errors = sorted({r.error for r in results if not r.success})
     return BenchmarkMetrics(
         completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
         total_input_tokens=n_in, total_output_tokens=n_out,
-        request_throughput=len(ok) / dur, output_throughput=n_out / dur, total_token_throughput=(n_in + n_out) / dur,
+        request_throughput=len(ok) / dur, output_throughput=n_out / dur,
+        total_token_throughput=None if n_in is None else (n_in + n_out) / dur,
         request_goodput=sum(is_good(r, slos) for r in ok) / dur if slos else None,
         ttft_ms=summarize([r.ttft for r in ok]),
         tpot_ms=summarize([r.tpot for r in ok if r.tpot is not None]),
         itl_ms=summarize([gap for r in ok for gap in r.itl]),
         e2el_ms=summarize([r.latency for r in ok]),
-        errors=errors[:10])
+        error_summary=errors[:10])
 
 
 def format_metrics(m: BenchmarkMetrics, title: str = "Serving Benchmark Result") -> str:
     rows = [("Successful requests:", m.completed), ("Failed requests:", m.failed),
-            ("Benchmark duration (s):", f"{m.duration_s:.2f}"), ("Total input tokens:", m.total_input_tokens),
+            ("Benchmark duration (s):", f"{m.duration_s:.2f}"),
+            ("Total input tokens:", "n/a" if m.total_input_tokens is None else m.total_input_tokens),
             ("Total generated tokens:", m.total_output_tokens),
             ("Request throughput (req/s):", f"{m.request_throughput:.2f}")]
     if m.request_goodput is not None:
         rows.append(("Request goodput (req/s):", f"{m.request_goodput:.2f}"))
     rows += [("Output token throughput (tok/s):", f"{m.output_throughput:.2f}"),
-             ("Total token throughput (tok/s):", f"{m.total_token_throughput:.2f}")]
+             ("Total token throughput (tok/s):",
+              "n/a" if m.total_token_throughput is None else f"{m.total_token_throughput:.2f}")]
     lines = [f"{f' {title} ':=^60}"] + [f"{k:<44}{v:>16}" for k, v in rows]
     for name, label, stats in (("TTFT", "Time to First Token", m.ttft_ms), ("TPOT", "Time per Output Token (excl. "
                                "1st token)", m.tpot_ms), ("ITL", "Inter-token Latency", m.itl_ms),
                                ("E2EL", "End-to-end Latency", m.e2el_ms)):
         lines.append(f"{label:-^60}")
         lines += [f"{f'{k.capitalize()} {name} (ms):':<44}{stats[k]:>16.2f}" for k in ("mean", "median", "p90", "p99")]
-    for e in m.errors:
+    for e in m.error_summary:
         lines.append(f"error: {e}")
     lines.append("=" * 60)
     return "\n".join(lines)

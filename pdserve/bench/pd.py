@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.launcher import Deployment, launch, vllm_router_program
 from pdserve.bench.report import format_table, plot
-from pdserve.bench.serve import add_bench_serve_args, run_bench_serve
+from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
 
 ARMS = ("collocated", "default", *RULES)
@@ -190,8 +190,9 @@ def run_bench_pd(args) -> int:
     table = format_table(rows)
     print(table)
     (out / "table.txt").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
-                                                  "arms": arms, "rates": rates, "rows": rows}, indent=1))
+    (out / "summary.json").write_text(json.dumps(json_safe({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                            "model": model, "arms": arms, "rates": rates,
+                                                            "rows": rows}), indent=1))
     png = plot(rows, out / "bench_pd.png")
     print(f"[bench pd] results in {out}/ (summary.json, table.txt{', ' + png.name if png else ''})")
     return 0 if all(r["failed"] == 0 for r in rows) else 1

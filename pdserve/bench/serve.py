@@ -54,10 +54,14 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Gamma shape of the arrival gaps: 1 is Poisson, lower is burstier (default: 1).")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="Most requests in flight at once (default: no limit).")
-    p.add_argument("--ignore-eos", action="store_true", help="Ask the server to generate max_tokens every time.")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="Ask the server to generate max_tokens every time (default: on for --dataset random, as "
+                        "vLLM's client, so every request has its drawn output length; off for jsonl).")
     p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0, greedy).")
     p.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: 0).")
-    p.add_argument("--warmup", type=int, default=0, help="Requests sent (and not measured) before the run.")
+    p.add_argument("--warmup", type=int, default=0, help="Requests sent (and not measured) before the run, all at "
+                                                          "once; their prompts are drawn apart from the measured "
+                                                          "ones, which stay the same (default: 0).")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, e2el; milliseconds).")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -155,25 +159,33 @@ async def _run(specs: list[RequestSpec], offsets: list[float], args, tokenizer, 
     return results, duration, [r.start - (t0 + off) for r, off in zip(results, offsets)]
 
 
-def _samples(args, tokenizer) -> list:
-    n = args.num_prompts + args.warmup
+def _samples(args, tokenizer) -> tuple[list, list]:
+    """(measured, warm-up) prompts. The measured ones do not depend on --warmup: the warm-up's random prompts come
+    from a stream of their own (a seed no --seed can give), jsonl's are the file's next lines, cycled."""
+    n, w = args.num_prompts, args.warmup
     if args.dataset == "random":
-        return random_dataset(tokenizer, n, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                              args.seed)
+        def draw(count, seed):
+            return random_dataset(tokenizer, count, args.random_input_len, args.random_output_len,
+                                  args.random_range_ratio, seed) if count else []
+        return draw(n, args.seed), draw(w, args.seed + 2 ** 32)
     try:
-        return jsonl_dataset(args.dataset_path, n, args.random_output_len, tokenizer)
+        rows = jsonl_dataset(args.dataset_path, n + w, args.random_output_len, tokenizer)
     except OSError as e:
         raise ValueError(f"--dataset-path {args.dataset_path}: {e.strerror or e}") from None
+    return rows[:n], rows[n:]
 
 
-def _json_safe(x):
-    """NaN (a metric with no samples) becomes null: strict JSON readers reject NaN."""
+def json_safe(x):
+    """NaN (a metric with no samples) becomes null, infinity (a rate or burstiness) "inf": strict JSON readers
+    reject both."""
     if isinstance(x, float) and math.isnan(x):
         return None
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -195,9 +207,12 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     slos = parse_goodput(args.goodput)
     tokenizer = _tokenizer(args)
     model = _model_name(args)
-    specs = [RequestSpec(args.base_url, args.endpoint, model, s.prompt, s.prompt_len, s.output_len, args.ignore_eos,
-                         args.temperature, args.api_key) for s in _samples(args, tokenizer)]
-    warm, specs = specs[:args.warmup], specs[args.warmup:]
+    if args.ignore_eos is None:
+        args.ignore_eos = args.dataset == "random"
+    measured, warm_up = _samples(args, tokenizer)
+    specs, warm = ([RequestSpec(args.base_url, args.endpoint, model, s.prompt, s.prompt_len, s.output_len,
+                                args.ignore_eos, args.temperature, args.api_key) for s in part]
+                   for part in (measured, warm_up))
     offsets = arrival_offsets(len(specs), args.request_rate, args.burstiness, args.seed)
     loop_run = asyncio.run
     try:
@@ -219,21 +234,27 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:
         _print(args, model, metrics, graph, split)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": args.base_url, "endpoint": args.endpoint,
-           "model": model, "dataset": args.dataset, "num_prompts": args.num_prompts,
-           "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
+    # vLLM's keys where it has the figure (flat statistics, per-request lists, `errors` one per request), plus
+    # pdserve's nested statistics (`ttft_ms: {mean, ...}`), the graph share and the router's TTFT split
+    out = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint else "openai",
+           "base_url": args.base_url, "endpoint": args.endpoint, "model_id": model, "model": model,
+           "tokenizer_id": args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None),
+           "dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
-           "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), "graph": graph,
-           "router_ttft_split_ms": split, "send_lag_ms": summarize(lags),
-           "per_request": {"prompt_lens": [r.prompt_len for r in results],
-                           "output_lens": [r.output_tokens for r in results],
-                           "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
-                           "latencies": [r.latency for r in results], "errors": [r.error for r in results]}}
+           "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
+           "temperature": args.temperature, "warmup": args.warmup,
+           "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), **metrics.vllm_keys(),
+           "graph": graph, "router_ttft_split_ms": split, "send_lag_ms": summarize(lags),
+           "input_lens": [r.prompt_len for r in results],
+           "output_lens": [r.output_tokens if r.success else 0 for r in results],
+           "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+           "latencies": [r.latency for r in results], "start_times": [r.start for r in results],
+           "generated_texts": [r.generated_text for r in results], "errors": [r.error for r in results]}
     if args.save_result:
         try:
             Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.save_result).write_text(json.dumps(_json_safe(out), indent=1))
+            Path(args.save_result).write_text(json.dumps(json_safe(out), indent=1))
         except OSError as e:
             raise ValueError(f"--save-result {args.save_result}: {e.strerror or e}") from None
     return out

@@ -103,11 +103,15 @@ def test_dispatch_policies():
     assert decode_only.dispatch(3, 3, full)[0] == CUDAGraphMode.FULL
     assert decode_only.dispatch(3, 2, mixed)[0::2] == (CUDAGraphMode.NONE, "prefill")
     piecewise = CudagraphDispatcher([1, 2, 4], CUDAGraphMode.PIECEWISE, enforce_eager=False)
-    assert piecewise.dispatch(3, 3, full)[0] == CUDAGraphMode.PIECEWISE and piecewise.full_descriptors() == []
+    assert piecewise.dispatch(3, 3, full)[0::2] == (CUDAGraphMode.PIECEWISE, "full_disabled")  # was reason None
+    assert piecewise.full_descriptors() == []
     assert [d.num_tokens for d in decode_only.full_descriptors()] == [1, 2, 4]
     q2 = CudagraphDispatcher([1, 2, 4, 8], CUDAGraphMode.FULL_AND_PIECEWISE, enforce_eager=False, q=2)
     assert q2.full_descriptors() == [BatchDescriptor(2, 1, 2), BatchDescriptor(4, 2, 2), BatchDescriptor(8, 4, 2)]
     assert q2.dispatch(6, 3, Classification(True, 2, None))[1] == BatchDescriptor(8, 4, 2)
+    # 2 rows of q = 2 under the largest capture (5), but no FULL size for q = 2 holds 4: not "over_capture_size"
+    k1 = CudagraphDispatcher([2, 3, 5], CUDAGraphMode.FULL_AND_PIECEWISE, enforce_eager=False, q=(1, 2))
+    assert k1.dispatch(4, 2, Classification(True, 2, None))[0::2] == (CUDAGraphMode.PIECEWISE, "no_full_size")
 
 
 def test_full_ladder_stops_at_the_size_that_holds_max_num_seqs():

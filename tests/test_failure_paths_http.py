@@ -112,9 +112,11 @@ def test_bodies_over_the_limit_are_413_and_never_read_whole(srv):
 
 def test_metrics_still_answer_when_the_engine_stats_fail(srv, monkeypatch):
     """/metrics asks the engine loop for its stats; should that query raise, the page still comes back with what
-    the server side counts (a scraper must never see a 500 for an engine-side hiccup)."""
+    the server side counts (a scraper must never see a 500 for an engine-side hiccup), and without the engine-side
+    series: the last snapshot's gauges, served again, would read as live."""
     c, state = srv
     served_still(c)
+    assert "vllm:num_requests_running{" in c.get("/metrics").text
     core = engine_core(state)
 
     def broken():
@@ -122,7 +124,9 @@ def test_metrics_still_answer_when_the_engine_stats_fail(srv, monkeypatch):
     monkeypatch.setattr(core, "_q_stats", broken)
     r = c.get("/metrics")
     assert r.status_code == 200, r.text
-    assert 'pdserve_request_success_total{finished_reason="length"' in r.text and "stats broke" not in r.text
+    lines = r.text.splitlines()
+    assert any(x.startswith("vllm:request_success_total{") and 'finished_reason="length"' in x for x in lines)
+    assert "stats broke" not in r.text and "vllm:num_requests_running" not in r.text
     pool_whole(c)
 
 

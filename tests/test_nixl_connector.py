@@ -98,9 +98,9 @@ def test_nixl_equals_tcp_and_collocated(pd, qwen3_tiny, collocated):
     series = {m.name: m for m in EngineCollector("m")._transfer(d.engine.transfer_stats())}
     reads = len(PROMPTS) - 1
     for name in ("xfer_time_seconds", "post_time_seconds", "bytes_transferred", "num_descriptors"):
-        assert sum(s.value for s in series[f"pdserve_nixl_{name}"].samples if s.name.endswith("_count")) >= reads
-    assert {n for n in series if n.startswith("pdserve_nixl_") and series[n].type == "counter"} == {
-        "pdserve_nixl_num_failed_transfers", "pdserve_nixl_num_failed_notifications", "pdserve_nixl_num_kv_expired_reqs"}
+        assert sum(s.value for s in series[f"vllm:nixl_{name}"].samples if s.name.endswith("_count")) >= reads
+    assert {n for n in series if n.startswith("vllm:nixl_") and series[n].type == "counter"} == {
+        "vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_notifications", "vllm:nixl_num_kv_expired_reqs"}
 
 
 @needs_nixl

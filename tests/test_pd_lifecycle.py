@@ -59,7 +59,7 @@ def pools_whole(dep, *names):
 
 
 def served(dep, name) -> float:
-    return metric(dep[name].url, "pdserve_request_success_total")
+    return metric(dep[name].url, "vllm:request_success_total")
 
 
 def kv_failures(dep, *names) -> float:
@@ -129,7 +129,7 @@ def test_router_ttft_breakdown(dep):
 
 def test_client_abort_mid_decode_through_router(dep):
     router = dep["routers"]["round-robin"]
-    aborts = sum(metric(dep[d].url, "pdserve_request_success_total", finished_reason="abort") for d in ("D1", "D2"))
+    aborts = sum(metric(dep[d].url, "vllm:request_success_total", finished_reason="abort") for d in ("D1", "D2"))
     body = {"model": "qwen3-tiny-s0", "prompt": PROMPTS[5], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
@@ -138,12 +138,12 @@ def test_client_abort_mid_decode_through_router(dep):
     assert len(got) == 3  # the client closed after 3 chunks, the request still decoding on D
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        now = sum(metric(dep[d].url, "pdserve_request_success_total", finished_reason="abort") for d in ("D1", "D2"))
+        now = sum(metric(dep[d].url, "vllm:request_success_total", finished_reason="abort") for d in ("D1", "D2"))
         if now > aborts:
             break
         time.sleep(0.1)
     assert now == aborts + 1
-    assert sum(metric(dep[d].url, "pdserve_generation_tokens_total") for d in ("D1", "D2")) > 0
+    assert sum(metric(dep[d].url, "vllm:generation_tokens_total") for d in ("D1", "D2")) > 0
     pools_whole(dep)  # D freed the request; P's lease was confirmed by D's pull before decoding began
 
 
@@ -247,7 +247,7 @@ def test_zz_client_abort_while_decode_waits_for_kv(dep):
                           "remote_port": kv_port, "remote_block_ids": [1, 2, 3], "num_prompt_tokens": len(prompt),
                           "prompt_hash": prompt_hash(prompt), "lease_seconds": 30.0}, KV_TOKEN)
     m = metrics(d2.url)
-    aborts = metric(m, "pdserve_request_success_total", finished_reason="abort")
+    aborts = metric(m, "vllm:request_success_total", finished_reason="abort")
     timeouts = metric(m, "pdserve_kv_transfer_failures_total", reason="timeout")
     with socket.create_server(("127.0.0.1", kv_port)):
         body = {"model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": 4, "stream": True,
@@ -255,7 +255,7 @@ def test_zz_client_abort_while_decode_waits_for_kv(dep):
         with pytest.raises(httpx.ReadTimeout):  # no headers before the first token
             httpx.post(d2.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
         deadline = time.monotonic() + 5
-        while metric(d2.url, "pdserve_request_success_total", finished_reason="abort") == aborts:
+        while metric(d2.url, "vllm:request_success_total", finished_reason="abort") == aborts:
             assert time.monotonic() < deadline, "D did not abort the request"
             time.sleep(0.05)
         time.sleep(2.0)  # past kv_transfer_timeout (1.5 s): the question times out, the request is dropped

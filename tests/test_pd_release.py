@@ -153,7 +153,7 @@ def body(prompt=PROMPT, **extra) -> dict:
 
 
 def prefills(dep) -> float:
-    return metric(dep["P"].url, "pdserve_request_success_total")
+    return metric(dep["P"].url, "vllm:request_success_total")
 
 
 def test_release_route_on_p(dep):
@@ -314,7 +314,7 @@ def seat_taken(d):
         lines = seat.iter_lines()  # held: a dropped iterator closes the stream, and D aborts the holder
         assert next(x for x in lines if x.startswith("data: "))  # running: the seat is taken
         yield
-        assert metric(d.url, "pdserve_num_requests_running") == 1, "the seat holder ended early: the test is void"
+        assert metric(d.url, "vllm:num_requests_running") == 1, "the seat holder ended early: the test is void"
 
 
 def queue_on_decode(dep, prompt: str) -> socket.socket:
@@ -322,7 +322,7 @@ def queue_on_decode(dep, prompt: str) -> socket.socket:
     d = dep["D"]
     sock = raw_request(d.url, body(prompt, stream=True, kv_transfer_params=prefilled(dep, prompt)))
     deadline = time.monotonic() + 10
-    while metric(d.url, "pdserve_num_requests_waiting") < 1:
+    while metric(d.url, "vllm:num_requests_waiting") < 1:
         assert time.monotonic() < deadline, "the P/D request never waited in D's queue"
         time.sleep(0.05)
     return sock

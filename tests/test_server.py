@@ -247,9 +247,9 @@ def test_disconnect_mid_stream_frees_blocks(server, http):
         time.sleep(0.05)
     assert k["used_blocks"] == 0 and k["free_blocks"] == k["total_blocks"] and k["invariants_ok"], k
     after = metrics(http)
-    assert total(after, "pdserve_request_success_total", finished_reason="abort") == \
-        total(before, "pdserve_request_success_total", finished_reason="abort") + 1
-    assert total(after, "pdserve_num_requests_running") == 0
+    assert total(after, "vllm:request_success_total", finished_reason="abort") == \
+        total(before, "vllm:request_success_total", finished_reason="abort") + 1
+    assert total(after, "vllm:num_requests_running") == 0
 
 
 def test_metrics_move(client, http):
@@ -261,19 +261,38 @@ def test_metrics_move(client, http):
     def delta(name, **labels):
         return total(after, name, **labels) - total(before, name, **labels)
 
-    assert delta("pdserve_generation_tokens_total") == 7
-    assert delta("pdserve_prompt_tokens_total") > 0
-    assert delta("pdserve_request_success_total", finished_reason="length") == 1
-    assert delta("pdserve_time_to_first_token_seconds_count") == 1
-    assert delta("pdserve_inter_token_latency_seconds_count") == 6
-    assert delta("pdserve_e2e_request_latency_seconds_count") == 1
-    assert delta("pdserve_request_time_per_output_token_seconds_count") == 1
+    assert delta("vllm:generation_tokens_total") == 7
+    assert delta("vllm:prompt_tokens_total") > 0
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 6
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
     assert delta("pdserve_cudagraph_steps_total") >= 7
     assert delta("pdserve_cudagraph_steps_total", mode="FULL", reason="none") >= 5
     assert total(after, "pdserve_cudagraph_info", device="cpu", captured="false") == 1
-    for name in ("pdserve_num_requests_waiting", "pdserve_kv_cache_usage_perc", "pdserve_num_preemptions_total",
-                 "pdserve_cudagraph_padded_tokens_total"):
+    for name in ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count"):
+        assert delta(name) == 1, name
+    assert delta("vllm:prefix_cache_queries_total") >= delta("vllm:prompt_tokens_total")
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_hits_total", "pdserve_cudagraph_padded_tokens_total"):
         assert any(n == name for n, _ in after), name
+    # vLLM's names and labels: dashboards and autoscalers built for vLLM select on model_name and engine
+    for (n, lab) in after:
+        if n.startswith(("vllm:", "pdserve_cudagraph")):
+            assert dict(lab).get("model_name") == "tiny" and dict(lab).get("engine") == "0", (n, lab)
+
+
+def test_prefix_cache_hits_are_counted(client, http):
+    prompt = "def add(a, b):\n    return a + b\n" * 6  # several full blocks
+    before = metrics(http)
+    for _ in range(2):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+    after = metrics(http)
+    hits = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
+    queries = total(after, "vllm:prefix_cache_queries_total") - total(before, "vllm:prefix_cache_queries_total")
+    assert 0 < hits < queries, (hits, queries)  # the second request hit the first one's full blocks
 
 
 def test_request_id_echoed_and_logged(server, http):

@@ -66,11 +66,11 @@ def test_logprobs_penalties_and_stop_strings_as_plain(server, plain, stream):
 def test_metrics_series_and_bench_serve_acceptance(server, qwen3_tiny):
     post(server, dict(max_tokens=32, temperature=0.0, ignore_eos=True))
     m = metrics(server.url)
-    drafts = metric(m, "pdserve_spec_decode_num_drafts_total")
-    draft_tokens = metric(m, "pdserve_spec_decode_num_draft_tokens_total")
-    accepted = metric(m, "pdserve_spec_decode_num_accepted_tokens_total")
+    drafts = metric(m, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = metric(m, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
     assert draft_tokens >= drafts > 0 and metric(m, "pdserve_spec_decode_num_placeholder_tokens_total") >= 0
-    assert metric(m, "pdserve_spec_decode_num_accepted_tokens_per_pos_total", position="0") <= accepted
+    assert metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") <= accepted
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", server.url,
                           "--model", "x", "--tokenizer", qwen3_tiny, "--num-prompts", "4", "--ignore-eos",
                           "--random-input-len", "16", "--random-output-len", "8", "--disable-tqdm"],

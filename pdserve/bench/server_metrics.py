@@ -4,7 +4,8 @@ earlier traffic do not count):
   matter are the decode nodes' (the router lists them at `/nodes`); a single server is scraped directly;
 - behind a router, the mean time to first token by stage, from `pdserve_router_ttft_seconds{stage}`;
 - with speculative decoding, the acceptance rate (accepted / draft tokens) and the mean acceptance length
-  (1 + accepted / drafts, vLLM's definition) from `pdserve_spec_decode_*_total`."""
+  (1 + accepted / drafts, vLLM's definition) from `vllm:spec_decode_*_total` (vLLM's series, which a pdserve node
+  exposes under vLLM's names) and `pdserve_spec_decode_num_placeholder_tokens_total`."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STEPS = "pdserve_cudagraph_steps"
-SPEC = "pdserve_spec_decode_"
+SPEC = ("vllm:spec_decode_", "pdserve_spec_decode_")
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ def scrape(urls: list[str], timeout: float = 5.0) -> Optional[GraphSnapshot]:
     steps, device, found, spec = Counter(), "", False, None
     for url in urls:
         for fam in _families(url, timeout):
-            if fam.name.startswith(SPEC) and fam.name != SPEC + "num_accepted_tokens_per_pos":
+            if fam.name.startswith(SPEC) and not fam.name.endswith("num_accepted_tokens_per_pos"):
                 spec = spec if spec is not None else Counter()
-                spec[fam.name.removeprefix(SPEC)] += sum(x.value for x in fam.samples if x.name.endswith("_total"))
+                key = fam.name.split("spec_decode_", 1)[1]
+                spec[key] += sum(x.value for x in fam.samples if x.name.endswith("_total"))
             elif fam.name == STEPS:
                 found = True
                 for s in fam.samples:

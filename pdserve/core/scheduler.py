@@ -81,6 +81,10 @@ class Scheduler(SchedulerPDMixin):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # vLLM's prefix-cache counters, in tokens: each admission from `waiting` (or load start) counts its tokens
+        # once as queried and its cached prefix as hits; a head of the queue that waits for room is not recounted
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.connector = connector
         self.load_failure_policy = load_failure_policy
         self.leased: dict[str, Request] = {}  # P: finished, blocks kept until D read them or the lease ended
@@ -159,6 +163,7 @@ class Scheduler(SchedulerPDMixin):
             load = self._start_remote_load(req, hits, num_hit)
             if load == "loading":
                 self.loading[self.waiting.popleft().request_id] = req
+                self._count_lookup(req, num_hit)
                 continue
             left = req.num_tokens - num_hit
             # a preempted request whose prefix cache covers all but its last token resumes as a decode row
@@ -166,14 +171,21 @@ class Scheduler(SchedulerPDMixin):
             num_new = self._chunk(left)
             if drafts and 1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts), hits):
                 self.waiting.popleft()
+                self._count_lookup(req, num_hit)
                 budget -= self._admit(req, hits, num_hit, 1 + len(drafts), out, drafts)
                 continue
             if load == "blocked" or (num_new > budget and not self.config.enable_chunked_prefill) or \
                     not self.kv.allocate_slots(req, min(num_new, budget), hits):
                 break
             self.waiting.popleft()
+            self._count_lookup(req, num_hit)
             budget -= self._admit(req, hits, num_hit, min(num_new, budget), out)
         return out
+
+    def _count_lookup(self, req: Request, num_hit: int) -> None:
+        if self.kv.pool.enable_caching:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_hit
 
     def _chunk(self, num_new: int) -> int:
         """A row's tokens to compute this step, capped at long_prefill_token_threshold (never a decode's one token:

@@ -32,6 +32,7 @@ class _RequestState:
     last_time: Optional[float] = None
     num_tokens: int = 0
     finished: bool = False
+    prefill_time: float = 0.0  # the engine's, from the first token's timing (metrics: inference = prefill + decode)
 
 
 class AsyncEngine:

@@ -233,8 +233,10 @@ class EngineCore:
         eng = self.engine
         s = eng.scheduler
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
-        return {"running": len(s.running), "waiting": s.num_waiting, "kv_usage": eng.kv.pool.usage(),
-                "preemptions": s.num_preemptions, "graph": eng.graph_stats(), "transfer": transfer,
+        checking = self._checks.num_waiting if self._checks is not None else 0
+        return {"running": len(s.running), "waiting": s.num_waiting + checking, "kv_usage": eng.kv.pool.usage(),
+                "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,
                 "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}
 
     def _q_ping(self) -> bool:

@@ -71,7 +71,7 @@ COUNTERS = ("num_failed_transfers", "num_failed_notifications", "num_kv_expired_
 
 
 class NixlStats:
-    """The `pdserve_nixl_*` series: per-bucket counts and sums of the histograms, and the counters. Thread-safe."""
+    """The `vllm:nixl_*` series: per-bucket counts and sums of the histograms, and the counters. Thread-safe."""
 
     def __init__(self):
         self.lock = threading.Lock()

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Sequence, Union
 
 Rule = Literal["strict", "prompt-tail", "decode-shaped"]
-Reason = Literal["prefill", "non_uniform", "over_capture_size", "eager_forced"]
+# Why a step is not FULL: its rows (prefill, non_uniform), its size (over_capture_size: more tokens than the largest
+# capture; no_full_size: no FULL graph for its query length holds it), or the policy (full_disabled: a FULL-eligible
+# step under a mode without FULL graphs, PIECEWISE; eager_forced: NONE or --enforce-eager).
+Reason = Literal["prefill", "non_uniform", "over_capture_size", "no_full_size", "full_disabled", "eager_forced"]
 RULES: tuple[Rule, ...] = ("strict", "prompt-tail", "decode-shaped")
 
 
@@ -139,7 +142,9 @@ class CudagraphDispatcher:
             return CUDAGraphMode.FULL, BatchDescriptor(padded, padded // q, q), None
         if cls.full_eligible and runtime == CUDAGraphMode.FULL:  # FULL-eligible but no FULL size fits
             runtime = self.mode.mixed_mode()
-            reason: Optional[Reason] = "over_capture_size"
+            reason: Optional[Reason] = "no_full_size"
+        elif cls.full_eligible:
+            reason = "full_disabled"
         else:
             reason = cls.reason
         if runtime == CUDAGraphMode.PIECEWISE:

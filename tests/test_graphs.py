@@ -236,3 +236,24 @@ def test_non_full_reasons_add_up_across_modes():
     snap = stats.snapshot()
     assert snap["non_full_by_reason"] == {"prefill": 3, "eager_forced": 1}
     assert sum(snap["non_full_by_reason"].values()) == snap["non_full_steps"] == 4
+
+
+def test_cudagraph_metrics_tables_cover_whole_bursts(monkeypatch, caplog):
+    """A table's window starts at its first step: after an idle spell the first step of a burst no longer goes
+    out alone with the rest held back, and the engine loop's flush_if_due sends a burst's tail while idle."""
+    from pdserve.worker import graph_metrics
+    now = [100.0]
+    monkeypatch.setattr(graph_metrics.time, "monotonic", lambda: now[0])
+    stats = graph_metrics.GraphStats("cpu", captured=False, log_interval=1.0)
+    with caplog.at_level("INFO", logger="pdserve.cudagraph"):
+        for _ in range(30):  # a 0.3 s burst, long after start-up
+            stats.record("FULL", 4, 4, 4, None)
+            now[0] += 0.01
+        assert not caplog.records
+        stats.flush_if_due()
+        assert not caplog.records  # not due: 0.3 s into the window
+        now[0] += 1.0
+        stats.flush_if_due()
+        stats.flush_if_due()  # nothing left: no empty table
+    tables = [r.getMessage() for r in caplog.records]
+    assert len(tables) == 1 and "30 steps over 1.3 s" in tables[0] and tables[0].rstrip().endswith("30"), tables

@@ -111,8 +111,11 @@ class EngineCore:
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None))
         self._checks = LeaseChecks(getattr(eng, "remote_lease_left", lambda params: 1.0))
+        graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         try:
             while not self._stop:
+                if graphs is not None:
+                    graphs.flush_if_due()  # the inbox wakes the loop at least once a second
                 busy = eng.has_unfinished_requests()
                 batch = StepBatch(0.0)
                 cmds = self.inbox.get(block=not busy and not self._checks.pending)

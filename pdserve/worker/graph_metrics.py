@@ -2,7 +2,9 @@
 
 `snapshot()` is what `engine.graph_stats()` and the Prometheus series (`pdserve_cudagraph_steps_total{mode,reason}`,
 `pdserve_cudagraph_padded_tokens_total`) read; `table()` is the periodic --cudagraph-metrics log, with vLLM's
-columns plus Reason.
+columns plus Reason. A table covers the steps from its window's first step on: it goes out once a step lands
+`log_interval` s after that one, or when the server's engine loop finds it due (`flush_if_due`, at least once a
+second, idle or not), so a burst's last steps are not held back until the next burst.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class GraphStats:
         self.padded_tokens = 0  # padding tokens added, since start
         self.window: Counter[tuple[int, int, int, str, str]] = Counter()  # since the last table
         self.log_interval = log_interval
-        self._last_log = time.monotonic()
+        self._window_start = 0.0  # monotonic time of the window's first step
         self._lock = threading.Lock()
 
     def record(self, mode: str, num_tokens: int, padded_tokens: int, num_reqs: int, reason: Optional[str]) -> None:
@@ -32,8 +34,14 @@ class GraphStats:
             self.steps[(mode, reason)] += 1
             self.padded_tokens += padded_tokens - num_tokens
             if self.log_interval is not None:
+                if not self.window:
+                    self._window_start = time.monotonic()
                 self.window[(num_tokens, padded_tokens, num_reqs, mode, reason)] += 1
-        if self.log_interval is not None and time.monotonic() - self._last_log >= self.log_interval:
+        self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        if self.log_interval is not None and self.window and \
+                time.monotonic() - self._window_start >= self.log_interval:
             self.log_table()
 
     def snapshot(self) -> dict:
@@ -53,10 +61,11 @@ class GraphStats:
     def table(self) -> str:
         with self._lock:
             rows, self.window = sorted(self.window.items(), key=lambda kv: -kv[1]), Counter()
-            self._last_log = time.monotonic()
+            span = time.monotonic() - self._window_start if rows else 0.0
         head = f"{'Unpadded Tokens':>15} | {'Padded Tokens':>13} | {'Num Paddings':>12} | {'Num Reqs':>8} | " \
                f"{'Runtime Mode':>12} | {'Reason':>17} | {'Count':>6}"
-        lines = [f"CUDA graph metrics (device={self.device}, captured={self.captured}):", head, "-" * len(head)]
+        lines = [f"CUDA graph metrics, {sum(n for _, n in rows)} steps over {span:.1f} s (device={self.device}, "
+                 f"captured={self.captured}):", head, "-" * len(head)]
         for (n, p, r, mode, reason), count in rows:
             lines.append(f"{n:>15} | {p:>13} | {p - n:>12} | {r:>8} | {mode:>12} | {reason:>17} | {count:>6}")
         return "\n".join(lines)

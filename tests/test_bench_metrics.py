@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.datasets import jsonl_dataset, random_dataset
-from pdserve.bench.metrics import RequestResult, compute_metrics, parse_goodput, summarize
+from pdserve.bench.metrics import RequestResult, compute_metrics, format_metrics, parse_goodput, summarize
 from pdserve.bench.report import CPU_CAVEAT, format_table
 from pdserve.bench.server_metrics import GraphSnapshot, ttft_split_ms
 
@@ -178,3 +178,21 @@ def test_ignore_eos_defaults_on_for_random_prompts(qwen3_tiny, monkeypatch):
         with pytest.raises(SystemExit):
             serve.run_bench_serve(args, quiet=True)
         assert all(s.ignore_eos is want for s in seen[-1])
+
+
+def test_chosen_percentiles_and_metrics():
+    """vLLM's --percentile-metrics / --metric-percentiles: keys spelt as vLLM's (p99.9), only the chosen metrics
+    printed and under the flat keys."""
+    from pdserve.bench.metrics import parse_percentiles
+    names, ps = parse_percentiles("ttft,itl", "50,99.9")
+    assert names == ("ttft", "itl") and ps == (50.0, 99.9)
+    s = summarize([i / 1000 for i in range(1, 101)], ps)
+    assert set(s) == {"mean", "median", "std", "p50", "p99.9"} and s["p99.9"] == pytest.approx(99.901)
+    m = compute_metrics([req(0.1, [0.01, 0.02])], 1.0, percentiles=ps)
+    text = format_metrics(m, metrics=names)
+    assert "P99.9 TTFT (ms):" in text and "ITL" in text and "TPOT" not in text and "E2EL" not in text
+    assert "p99.9_itl_ms" in m.vllm_keys(names) and "mean_tpot_ms" not in m.vllm_keys(names)
+    for bad in (("ttft,foo", "99"), ("", "99"), ("ttft", "0"), ("ttft", "101"), ("ttft", "x")):
+        with pytest.raises(ValueError, match="--percentile-metrics" if "foo" in bad[0] or not bad[0]
+                           else "--metric-percentiles"):
+            parse_percentiles(*bad)

@@ -177,6 +177,8 @@ BENCH_SERVE = [
     (["--request-timeout", "0"], "--request-timeout must be"),  # was every request failing at once
     (["--request-timeout", "nan"], "--request-timeout must be"),
     (["--temperature", "-1"], "--temperature must be"),  # was every request a 400
+    (["--metric-percentiles", "0"], "--metric-percentiles"),
+    (["--percentile-metrics", "ttft,goodput"], "--percentile-metrics"),
     (["--dataset-path", "/tmp/prompts.jsonl"], "--dataset-path is read only with --dataset jsonl"),  # was ignored
     (["--save-result", "."], "is a directory"),  # was found only after the whole run
 ]

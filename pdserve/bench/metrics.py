@@ -13,8 +13,28 @@ from typing import Optional
 
 import numpy as np
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (90.0, 99.0)  # besides the median, always there
+METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def pct_key(p: float) -> str:
+    """vLLM's spelling: p99, p99.9."""
+    return f"p{int(p)}" if p == int(p) else f"p{p}"
+
+
+def parse_percentiles(metrics: str, percentiles: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """`--percentile-metrics ttft,tpot,...` and `--metric-percentiles 90,99`, checked by name."""
+    names = tuple(m.strip() for m in metrics.split(",") if m.strip())
+    if not names or not set(names) <= set(METRICS):
+        raise ValueError(f"--percentile-metrics {metrics!r}: a comma-separated list of {', '.join(METRICS)}")
+    try:
+        ps = tuple(float(p) for p in percentiles.split(","))
+    except ValueError:
+        ps = ()
+    if not ps or not all(0 < p <= 100 for p in ps):
+        raise ValueError(f"--metric-percentiles {percentiles!r}: comma-separated numbers in (0, 100], e.g. 90,99")
+    return names, ps
 
 
 @dataclass
@@ -53,13 +73,14 @@ def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
     return slos
 
 
-def summarize(values: list[float]) -> dict[str, float]:
-    """mean, median, p90, p99 (linear interpolation, numpy's default, as vLLM) and std, in milliseconds."""
+def summarize(values: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float]:
+    """mean, median, std and the percentiles (linear interpolation, numpy's default, as vLLM), in milliseconds."""
+    keys = [pct_key(p) for p in percentiles]
     if not values:  # nothing measured: NaN, never a zero that reads as a latency
-        return dict.fromkeys(("mean", "median", "std", *(f"p{p}" for p in PERCENTILES if p != 50)), float("nan"))
+        return dict.fromkeys(("mean", "median", "std", *keys), float("nan"))
     a = np.asarray(values, dtype=float) * 1000.0
     out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
-    out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES if p != 50})
+    out.update({k: float(np.percentile(a, p)) for k, p in zip(keys, percentiles)})
     return out
 
 
@@ -89,17 +110,18 @@ class BenchmarkMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def vllm_keys(self) -> dict:
+    def vllm_keys(self, metrics: tuple[str, ...] = METRICS) -> dict:
         """The same figures under the flat keys of vLLM's saved result (`duration`, `mean_ttft_ms`,
-        `p99_itl_ms`, ...), so scripts written for `vllm bench serve` files read these too."""
+        `p99_itl_ms`, ...; those of --percentile-metrics), so scripts written for `vllm bench serve` files read
+        these too."""
         out = {"duration": self.duration_s}
-        for name in ("ttft", "tpot", "itl", "e2el"):
+        for name in metrics:
             out.update({f"{k}_{name}_ms": v for k, v in getattr(self, f"{name}_ms").items()})
         return out
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float,
-                    slos: Optional[dict[str, float]] = None) -> BenchmarkMetrics:
+def compute_metrics(results: list[RequestResult], duration_s: float, slos: Optional[dict[str, float]] = None,
+                    percentiles: tuple[float, ...] = PERCENTILES) -> BenchmarkMetrics:
     ok = [r for r in results if r.success]
     n_out = sum(r.output_tokens for r in ok)
     n_in = None if any(r.prompt_len is None for r in ok) else sum(r.prompt_len for r in ok)
@@ -111,14 +133,15 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
         request_throughput=len(ok) / dur, output_throughput=n_out / dur,
         total_token_throughput=None if n_in is None else (n_in + n_out) / dur,
         request_goodput=sum(is_good(r, slos) for r in ok) / dur if slos else None,
-        ttft_ms=summarize([r.ttft for r in ok]),
-        tpot_ms=summarize([r.tpot for r in ok if r.tpot is not None]),
-        itl_ms=summarize([gap for r in ok for gap in r.itl]),
-        e2el_ms=summarize([r.latency for r in ok]),
+        ttft_ms=summarize([r.ttft for r in ok], percentiles),
+        tpot_ms=summarize([r.tpot for r in ok if r.tpot is not None], percentiles),
+        itl_ms=summarize([gap for r in ok for gap in r.itl], percentiles),
+        e2el_ms=summarize([r.latency for r in ok], percentiles),
         error_summary=errors[:10])
 
 
-def format_metrics(m: BenchmarkMetrics, title: str = "Serving Benchmark Result") -> str:
+def format_metrics(m: BenchmarkMetrics, title: str = "Serving Benchmark Result",
+                   metrics: tuple[str, ...] = METRICS) -> str:
     rows = [("Successful requests:", m.completed), ("Failed requests:", m.failed),
             ("Benchmark duration (s):", f"{m.duration_s:.2f}"),
             ("Total input tokens:", "n/a" if m.total_input_tokens is None else m.total_input_tokens),
@@ -130,11 +153,12 @@ def format_metrics(m: BenchmarkMetrics, title: str = "Serving Benchmark Result")
              ("Total token throughput (tok/s):",
               "n/a" if m.total_token_throughput is None else f"{m.total_token_throughput:.2f}")]
     lines = [f"{f' {title} ':=^60}"] + [f"{k:<44}{v:>16}" for k, v in rows]
-    for name, label, stats in (("TTFT", "Time to First Token", m.ttft_ms), ("TPOT", "Time per Output Token (excl. "
-                               "1st token)", m.tpot_ms), ("ITL", "Inter-token Latency", m.itl_ms),
-                               ("E2EL", "End-to-end Latency", m.e2el_ms)):
-        lines.append(f"{label:-^60}")
-        lines += [f"{f'{k.capitalize()} {name} (ms):':<44}{stats[k]:>16.2f}" for k in ("mean", "median", "p90", "p99")]
+    labels = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for key in metrics:
+        name, stats = key.upper(), getattr(m, f"{key}_ms")
+        lines.append(f"{labels[key]:-^60}")
+        lines += [f"{f'{k[0].upper() + k[1:]} {name} (ms):':<44}{v:>16.2f}" for k, v in stats.items() if k != "std"]
     for e in m.error_summary:
         lines.append(f"error: {e}")
     lines.append("=" * 60)

@@ -24,7 +24,7 @@ from pdserve.bench.client import RequestSpec, send_request
 from pdserve.bench.datasets import jsonl_dataset, random_dataset
 from pdserve.bench.server_metrics import (format_share, format_ttft_split, metric_targets, scrape, scrape_ttft_stages,
                                           ttft_split_ms)
-from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput, summarize
+from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput, parse_percentiles, summarize
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +62,12 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=0, help="Requests sent (and not measured) before the run, all at "
                                                           "once; their prompts are drawn apart from the measured "
                                                           "ones, which stay the same (default: 0).")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", metavar="LIST",
+                   help="Metrics whose statistics are printed and saved under vLLM's flat keys, comma-separated "
+                        "(default: ttft,tpot,itl,e2el; vLLM's is ttft,tpot,itl).")
+    p.add_argument("--metric-percentiles", default="90,99", metavar="LIST",
+                   help="Percentiles reported beside the mean, median and std, comma-separated, e.g. 50,99.9 "
+                        "(default: 90,99; vLLM's is 99).")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, e2el; milliseconds).")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -93,6 +99,7 @@ def _check(args) -> None:
         raise ValueError("--request-timeout must be a number of seconds > 0")
     if not 0 <= args.temperature < math.inf:
         raise ValueError("--temperature must be a number >= 0")
+    parse_percentiles(args.percentile_metrics, args.metric_percentiles)
     # before the run, not after it: a result path that cannot be written would waste the whole run
     if args.save_result:
         out = Path(args.save_result).absolute()
@@ -193,7 +200,7 @@ def _print(args, model: str, metrics, graph, split) -> None:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     print(f"target {args.base_url}{args.endpoint}  model {model}  request rate {rate}  "
           f"burstiness {args.burstiness:g}  max concurrency {args.max_concurrency or 'none'}")
-    print(format_metrics(metrics))
+    print(format_metrics(metrics, metrics=parse_percentiles(args.percentile_metrics, args.metric_percentiles)[0]))
     if graph is not None:
         print(format_share(graph))
     if split:
@@ -230,7 +237,8 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
     results, duration, lags = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
     after, split = scrape(targets), ttft_split_ms(stages_before, scrape_ttft_stages(args.base_url))
-    metrics = compute_metrics(results, duration, slos)
+    shown, percentiles = parse_percentiles(args.percentile_metrics, args.metric_percentiles)
+    metrics = compute_metrics(results, duration, slos, percentiles)
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:
         _print(args, model, metrics, graph, split)
@@ -244,7 +252,7 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
            "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
            "temperature": args.temperature, "warmup": args.warmup,
-           "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), **metrics.vllm_keys(),
+           "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), **metrics.vllm_keys(shown),
            "graph": graph, "router_ttft_split_ms": split, "send_lag_ms": summarize(lags),
            "input_lens": [r.prompt_len for r in results],
            "output_lens": [r.output_tokens if r.success else 0 for r in results],

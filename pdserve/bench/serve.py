@@ -99,7 +99,6 @@ def _check(args) -> None:
         raise ValueError("--request-timeout must be a number of seconds > 0")
     if not 0 <= args.temperature < math.inf:
         raise ValueError("--temperature must be a number >= 0")
-    parse_percentiles(args.percentile_metrics, args.metric_percentiles)
     # before the run, not after it: a result path that cannot be written would waste the whole run
     if args.save_result:
         out = Path(args.save_result).absolute()
@@ -123,8 +122,12 @@ def _model_name(args) -> str:
         raise ValueError(f"--model not given and {args.base_url}/v1/models did not name one ({e})") from None
 
 
+def _tokenizer_path(args):
+    return args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+
+
 def _tokenizer(args):
-    path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    path = _tokenizer_path(args)
     if path is None:
         if args.dataset == "random":
             raise ValueError("--dataset random needs --tokenizer (a local directory) or --model as a directory")
@@ -196,11 +199,11 @@ def json_safe(x):
     return x
 
 
-def _print(args, model: str, metrics, graph, split) -> None:
+def _print(args, model: str, metrics, shown, graph, split) -> None:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     print(f"target {args.base_url}{args.endpoint}  model {model}  request rate {rate}  "
           f"burstiness {args.burstiness:g}  max concurrency {args.max_concurrency or 'none'}")
-    print(format_metrics(metrics, metrics=parse_percentiles(args.percentile_metrics, args.metric_percentiles)[0]))
+    print(format_metrics(metrics, metrics=shown))
     if graph is not None:
         print(format_share(graph))
     if split:
@@ -210,6 +213,7 @@ def _print(args, model: str, metrics, graph, split) -> None:
 def run_bench_serve(args, quiet: bool = False) -> dict:
     """Runs the benchmark described by `args` (the flags above); returns what --save-result writes."""
     _check(args)
+    shown, percentiles = parse_percentiles(args.percentile_metrics, args.metric_percentiles)
     args.base_url = args.base_url.rstrip("/")
     slos = parse_goodput(args.goodput)
     tokenizer = _tokenizer(args)
@@ -237,16 +241,15 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
     results, duration, lags = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
     after, split = scrape(targets), ttft_split_ms(stages_before, scrape_ttft_stages(args.base_url))
-    shown, percentiles = parse_percentiles(args.percentile_metrics, args.metric_percentiles)
     metrics = compute_metrics(results, duration, slos, percentiles)
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:
-        _print(args, model, metrics, graph, split)
+        _print(args, model, metrics, shown, graph, split)
     # vLLM's keys where it has the figure (flat statistics, per-request lists, `errors` one per request), plus
     # pdserve's nested statistics (`ttft_ms: {mean, ...}`), the graph share and the router's TTFT split
     out = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint else "openai",
            "base_url": args.base_url, "endpoint": args.endpoint, "model_id": model, "model": model,
-           "tokenizer_id": args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None),
+           "tokenizer_id": _tokenizer_path(args),
            "dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,

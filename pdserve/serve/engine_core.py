@@ -112,6 +112,7 @@ class EngineCore:
                              getattr(eng, "connector", None) is not None))
         self._checks = LeaseChecks(getattr(eng, "remote_lease_left", lambda params: 1.0))
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
+        graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
         try:
             while not self._stop:
                 if graphs is not None:
@@ -236,8 +237,7 @@ class EngineCore:
         eng = self.engine
         s = eng.scheduler
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
-        checking = self._checks.num_waiting if self._checks is not None else 0
-        return {"running": len(s.running), "waiting": s.num_waiting + checking, "kv_usage": eng.kv.pool.usage(),
+        return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,
                 "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}

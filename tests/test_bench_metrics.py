@@ -108,6 +108,30 @@ def test_random_dataset_lengths_and_determinism(qwen3_tiny):
         assert not set(tok.encode(s.prompt, add_special_tokens=False)) & set(tok.all_special_ids)
 
 
+def test_random_prefix_is_shared_and_adds_to_the_input_len(qwen3_tiny):
+    """--random-prefix-len: every prompt (warm-up ones too) starts with the same text, the prefix counting on top
+    of --random-input-len as vLLM's; a prefix of 0 leaves the prompts as they were."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pdserve.bench.datasets import random_prefix
+    from pdserve.bench.serve import _samples
+    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
+    prefix = random_prefix(tok, 40, seed=5)
+    assert len(prefix) == 40 and prefix == random_prefix(tok, 40, seed=5) != random_prefix(tok, 40, seed=6)
+    assert random_prefix(tok, 0) == [] and random_dataset(tok, 4, 16, 4, seed=5, prefix=[]) == random_dataset(
+        tok, 4, 16, 4, seed=5)
+    args = SimpleNamespace(dataset="random", num_prompts=6, warmup=2, random_input_len=16, random_output_len=4,
+                           random_range_ratio=0.0, seed=5, dataset_path=None, random_prefix_len=40)
+    measured, warm = _samples(args, tok)
+    head = tok.decode(prefix)
+    assert all(s.prompt.startswith(head) for s in measured + warm) and len({s.prompt for s in measured + warm}) == 8
+    assert all(abs(s.prompt_len - 56) <= 2 for s in measured)  # 40 + 16; re-encoding may merge or split one or two
+    with pytest.raises(ValueError, match="--random-prefix-len"):
+        random_prefix(tok, -1)
+
+
 def test_jsonl_dataset(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "hello", "output_len": 5}) + "\n\n" + json.dumps({"text": "bye"}) + "\n")
@@ -156,7 +180,7 @@ def test_warmup_leaves_the_measured_prompts_alone(qwen3_tiny):
     from pdserve.bench.serve import _samples
     tok = AutoTokenizer.from_pretrained(qwen3_tiny)
     args = dict(dataset="random", num_prompts=3, random_input_len=16, random_output_len=6, random_range_ratio=0.5,
-                seed=0, dataset_path=None)
+                seed=0, dataset_path=None, random_prefix_len=0)
     cold, none = _samples(SimpleNamespace(warmup=0, **args), tok)
     measured, warm = _samples(SimpleNamespace(warmup=2, **args), tok)
     assert none == [] and measured == cold and len(warm) == 2 and not set(warm) & set(measured)

@@ -76,6 +76,8 @@ def test_chat_endpoint_skips_the_role_chunk(null_server, tmp_path):
     (["--goodput", "foo:1"], "--goodput"),
     (["--dataset", "random"], "--tokenizer"),
     (["--tokenizer", "/nonexistent"], "--tokenizer"),
+    (["--random-prefix-len", "-1"], "--random-prefix-len"),
+    (["--dataset", "jsonl", "--dataset-path", "p.jsonl", "--random-prefix-len", "8"], "--random-prefix-len"),
 ])
 def test_bad_flags_name_the_flag(args, flag):
     r = bench("--base-url", "http://127.0.0.1:9", "--model", "m", *args, timeout=60)

@@ -25,24 +25,48 @@ def _lengths(rng, n: int, mean: int, ratio: float) -> np.ndarray:
     return rng.integers(lo, hi + 1, size=n)
 
 
+def _vocab(tokenizer) -> np.ndarray:
+    special = set(tokenizer.all_special_ids)
+    return np.array([i for i in range(len(tokenizer)) if i not in special])
+
+
+def _fit(tokenizer, ids: list[int], target: int) -> tuple[str, list[int]]:
+    """Decoding then re-encoding can merge tokens, so the text is re-encoded, cut to its target length and decoded
+    again; the ids returned are that final text's encoding."""
+    ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:target]
+    text = tokenizer.decode(ids)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def random_prefix(tokenizer, prefix_len: int, seed: int = 0) -> list[int]:
+    """The token ids every prompt of a run starts with (--random-prefix-len), so a prefix cache has something to
+    hit. Its own stream of the seed: the measured and warm-up prompts share it, and a prefix of 0 leaves the
+    prompts as they were."""
+    if prefix_len < 0:
+        raise ValueError("--random-prefix-len must be >= 0")
+    if prefix_len == 0:
+        return []
+    vocab = _vocab(tokenizer)
+    return _fit(tokenizer, vocab[np.random.default_rng((seed, 1)).integers(0, len(vocab), size=prefix_len)].tolist(),
+                prefix_len)[1]
+
+
 def random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                   seed: int = 0) -> list[SampleRequest]:
-    """Prompts of ~input_len tokens drawn uniformly from the vocabulary (special tokens excluded), each a distinct
-    sequence. Decoding then re-encoding can merge tokens, so the text is re-encoded, cut to its target length and
-    decoded again; prompt_len is the length of that final text's encoding."""
+                   seed: int = 0, prefix: list[int] = ()) -> list[SampleRequest]:
+    """Prompts of `prefix` (the same ids in every prompt) then ~input_len tokens drawn uniformly from the vocabulary
+    (special tokens excluded), each a distinct sequence: as vLLM's, the prefix adds to input_len. prompt_len is the
+    length of the final text's encoding."""
     if input_len < 1 or output_len < 1:
         raise ValueError("--random-input-len and --random-output-len must be >= 1")
     rng = np.random.default_rng(seed)
     in_lens, out_lens = _lengths(rng, num_prompts, input_len, range_ratio), _lengths(rng, num_prompts, output_len,
                                                                                        range_ratio)
-    special = set(tokenizer.all_special_ids)
-    vocab = np.array([i for i in range(len(tokenizer)) if i not in special])
+    vocab, prefix = _vocab(tokenizer), list(prefix)
     samples = []
     for i in range(num_prompts):
-        ids = vocab[rng.integers(0, len(vocab), size=int(in_lens[i]))].tolist()
-        ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[: int(in_lens[i])]
-        text = tokenizer.decode(ids)
-        samples.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), int(out_lens[i])))
+        ids = prefix + vocab[rng.integers(0, len(vocab), size=int(in_lens[i]))].tolist()
+        text, ids = _fit(tokenizer, ids, len(prefix) + int(in_lens[i]))
+        samples.append(SampleRequest(text, len(ids), int(out_lens[i])))
     return samples
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import RequestSpec, send_request
-from pdserve.bench.datasets import jsonl_dataset, random_dataset
+from pdserve.bench.datasets import jsonl_dataset, random_dataset, random_prefix
 from pdserve.bench.server_metrics import (format_share, format_ttft_split, metric_targets, scrape, scrape_ttft_stages,
                                           ttft_split_ms)
 from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput, parse_percentiles, summarize
@@ -42,11 +42,16 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="random: token-id prompts decoded with the tokenizer; jsonl: prompts from --dataset-path.")
     p.add_argument("--dataset-path", default=None, help="The jsonl file: one {\"prompt\": ..., \"output_len\": ...} "
                                                          "object per line (output_len optional).")
-    p.add_argument("--random-input-len", type=int, default=1024, help="Mean prompt tokens (default: 1024).")
+    p.add_argument("--random-input-len", type=int, default=1024,
+                   help="Mean prompt tokens, besides the --random-prefix-len ones (default: 1024).")
     p.add_argument("--random-output-len", type=int, default=128,
                    help="Mean output tokens; max_tokens of each request; also the jsonl default (default: 128).")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Lengths drawn uniformly from [len*(1-r), len*(1+r)] (default: 0, fixed lengths).")
+    p.add_argument("--random-prefix-len", type=int, default=0, metavar="N",
+                   help="Random tokens every prompt starts with, the same in each (measured and warm-up), for "
+                        "prefix caching; they add to --random-input-len, as vLLM's: a prompt is N + its drawn "
+                        "length (default: 0).")
     p.add_argument("--num-prompts", type=int, default=100, help="Requests in the measured run (default: 100).")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Requests per second, or inf to send all at once (default: inf).")
@@ -91,6 +96,10 @@ def _check(args) -> None:
         raise ValueError("--warmup must be >= 0")
     if args.dataset == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
+    if args.random_prefix_len < 0:
+        raise ValueError("--random-prefix-len must be >= 0")
+    if args.random_prefix_len and args.dataset != "random":
+        raise ValueError("--random-prefix-len applies only to --dataset random")
     if args.dataset_path and args.dataset != "jsonl":
         raise ValueError("--dataset-path is read only with --dataset jsonl")
     if not 0 <= args.seed < 2 ** 32:
@@ -171,12 +180,15 @@ async def _run(specs: list[RequestSpec], offsets: list[float], args, tokenizer, 
 
 def _samples(args, tokenizer) -> tuple[list, list]:
     """(measured, warm-up) prompts. The measured ones do not depend on --warmup: the warm-up's random prompts come
-    from a stream of their own (a seed no --seed can give), jsonl's are the file's next lines, cycled."""
+    from a stream of their own (a seed no --seed can give) after the shared prefix, jsonl's are the file's next
+    lines, cycled."""
     n, w = args.num_prompts, args.warmup
     if args.dataset == "random":
+        prefix = random_prefix(tokenizer, args.random_prefix_len, args.seed)
+
         def draw(count, seed):
             return random_dataset(tokenizer, count, args.random_input_len, args.random_output_len,
-                                  args.random_range_ratio, seed) if count else []
+                                  args.random_range_ratio, seed, prefix) if count else []
         return draw(n, args.seed), draw(w, args.seed + 2 ** 32)
     try:
         rows = jsonl_dataset(args.dataset_path, n + w, args.random_output_len, tokenizer)
@@ -253,7 +265,8 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
            "dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
-           "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
+           "random_range_ratio": args.random_range_ratio,
+           "random_prefix_len": args.random_prefix_len, "ignore_eos": args.ignore_eos,
            "temperature": args.temperature, "warmup": args.warmup,
            "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), **metrics.vllm_keys(shown),
            "graph": graph, "router_ttft_split_ms": split, "send_lag_ms": summarize(lags),

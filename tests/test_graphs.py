@@ -257,3 +257,30 @@ def test_cudagraph_metrics_tables_cover_whole_bursts(monkeypatch, caplog):
         stats.flush_if_due()  # nothing left: no empty table
     tables = [r.getMessage() for r in caplog.records]
     assert len(tables) == 1 and "30 steps over 1.3 s" in tables[0] and tables[0].rstrip().endswith("30"), tables
+
+
+
+def test_resumed_preempted_request_is_labelled_prefill(qwen3_tiny):
+    """A preempted request readmitted past its prompt (a prefix hit on its prompt blocks) recomputes its outputs:
+    that step is a prefill, alone or mixed, never `non_uniform` (q = 1 here: no row can be a short decode)."""
+    # 6 usable blocks of 16: at 48 tokens each, two 32-token prompts need a 4th block: p1 is preempted, freeing its
+    # tail first; p0 (done at 62 tokens) takes only that one, so p1's prompt blocks survive for its readmission
+    llm = make(qwen3_tiny, dtype="float32", enable_prefix_caching=True, num_gpu_blocks_override=7,
+               max_model_len=96)
+    e, runner = llm.engine, llm.engine.runner
+    choose, seen = runner.choose_graph, []
+
+    def spy(rows):
+        got = choose(rows)
+        seen.append(([(r.num_computed_tokens, r.num_scheduled_tokens, r.request.num_prompt_tokens) for r in rows],
+                     got[2]))
+        return got
+    runner.choose_graph = spy
+    for i, n in ((0, 30), (1, 40)):
+        e.add_request(prompt(40 + i, 32), greedy(n), request_id=f"p{i}")
+    finish_all(llm)
+    assert e.scheduler.num_preemptions >= 1
+    resumed = [(rows, reason) for rows, reason in seen if any(n > 1 and c >= p for c, n, p in rows)]
+    assert resumed, seen  # the readmission hit the whole prompt and recomputed the outputs past it
+    assert all(reason == "prefill" for _, reason in resumed), resumed
+    assert not any(reason == "non_uniform" for _, reason in seen)

@@ -45,7 +45,7 @@ def test_replay_rows_draft_and_ride_full_only_under_decode_shaped(qwen3_tiny, co
     try:
         params = prefill_on(p, PROMPTS)
         assert decode(d, params) == collocated
-        replays = [r for r in rows if r.num_computed_tokens == r.prompt_len - 1 and r.prompt_len > 1]
+        replays = [r for r in rows if r.num_computed_tokens == r.request.num_prompt_tokens - 1 > 0]
         assert len(replays) == 5 and all(len(r.draft_token_ids) == 3 and r.num_scheduled_tokens == 4
                                          for r in replays)
         assert any(max(r.draft_token_ids) >= 0 for r in replays), "no replay drafted from its prompt"

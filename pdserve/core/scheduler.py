@@ -43,10 +43,13 @@ class ScheduledRow:
     # Speculative decoding: the K scheduled tokens after the last known one (PLACEHOLDER_TOKEN_ID where the
     # proposer found none); their positions are scored too.
     draft_token_ids: Sequence[int] = _NO_DRAFTS
-    prompt_len: int = 0  # the request's prompt length (a field, not a property: read per row every step)
+    # Where the row's prefill ends (a field, not a property: the graph rule reads it per row every step): its
+    # prompt; after a preemption every known token but the last, since the readmission recomputes its outputs too.
+    prefill_len: int = 0
 
     def __post_init__(self):
-        self.prompt_len = self.request.num_prompt_tokens
+        r = self.request  # a row past its prompt and not preempted has computed all but its last token anyway
+        self.prefill_len = max(len(r.prompt_token_ids), len(r.all_token_ids) - 1)
 
     @property
     def samples(self) -> bool:

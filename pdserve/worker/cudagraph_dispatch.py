@@ -60,9 +60,10 @@ class Classification:
     reason: Optional[Reason]  # why not FULL-eligible; None when eligible
 
 
-def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prompt_lens: Sequence[int], q: int,
+def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prefill_lens: Sequence[int], q: int,
              rule: Rule, is_pd_consumer: bool) -> Classification:
-    """Graph eligibility of one step's rows (three parallel sequences). Pure: no engine state."""
+    """Graph eligibility of one step's rows (three parallel sequences). Pure: no engine state. A row's prefill_len
+    is its prompt's, or after a preemption every known token but the last (ScheduledRow.prefill_len)."""
     # Builtins over whole sequences (min/max/map run in C): this runs every step over up to max_num_seqs rows.
     if not num_scheduled:
         return Classification(False, None, "non_uniform")
@@ -71,13 +72,13 @@ def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prompt_l
     if min(num_computed) == 0:
         return Classification(False, uniform, "prefill")
     if rule == "strict" or (rule == "prompt-tail" and not (is_pd_consumer and q == 1 and uniform == 1)):
-        if any(map(operator.lt, num_computed, prompt_lens)):
+        if any(map(operator.lt, num_computed, prefill_lens)):
             return Classification(False, uniform, "prefill")
     elif rule not in RULES:
         raise ValueError(f"unknown full_graph_rule {rule!r}; choose from {', '.join(RULES)}")
     if uniform != q:
         # A row off the uniform length is a prefill chunk when it is still inside its prompt.
-        off = [(c, p) for n, c, p in zip(num_scheduled, num_computed, prompt_lens) if n != q]
+        off = [(c, p) for n, c, p in zip(num_scheduled, num_computed, prefill_lens) if n != q]
         return Classification(False, uniform, "prefill" if any(c < p for c, p in off) else "non_uniform")
     return Classification(True, q, None)
 

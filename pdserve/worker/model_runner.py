@@ -23,7 +23,7 @@ from pdserve.worker.piecewise import PiecewiseRunner
 
 _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
 _COMPUTED = operator.attrgetter("num_computed_tokens")
-_PROMPT_LEN = operator.attrgetter("prompt_len")
+_PREFILL_LEN = operator.attrgetter("prefill_len")
 _DRAFTS = operator.attrgetter("draft_token_ids")
 
 
@@ -190,7 +190,7 @@ class ModelRunner:
         num_scheduled = list(map(_SCHEDULED, rows))
         num_tokens = sum(num_scheduled)
         q = self.uniform_query_len if self.uniform_query_len > 1 and any(map(_DRAFTS, rows)) else 1
-        cls = classify(num_scheduled, list(map(_COMPUTED, rows)), list(map(_PROMPT_LEN, rows)),
+        cls = classify(num_scheduled, list(map(_COMPUTED, rows)), list(map(_PREFILL_LEN, rows)),
                        q, self.config.compilation.full_graph_rule, self.is_pd_consumer)
         return (*self.dispatcher.dispatch(num_tokens, len(rows), cls), num_tokens)
 

@@ -39,11 +39,13 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="Local tokenizer directory, for the random dataset and for "
                                                       "prompt lengths (default: --model when it is a directory).")
     p.add_argument("--dataset", choices=("random", "jsonl"), default="random",
-                   help="random: token-id prompts decoded with the tokenizer; jsonl: prompts from --dataset-path.")
+                   help="random: token-id prompts decoded with the tokenizer, each re-encoding to exactly its drawn "
+                        "length; jsonl: prompts from --dataset-path.")
     p.add_argument("--dataset-path", default=None, help="The jsonl file: one {\"prompt\": ..., \"output_len\": ...} "
                                                          "object per line (output_len optional).")
     p.add_argument("--random-input-len", type=int, default=1024,
-                   help="Mean prompt tokens, besides the --random-prefix-len ones (default: 1024).")
+                   help="Mean prompt tokens as the server counts them (a BOS it adds included, as vLLM), besides "
+                        "the --random-prefix-len ones (default: 1024).")
     p.add_argument("--random-output-len", type=int, default=128,
                    help="Mean output tokens; max_tokens of each request; also the jsonl default (default: 128).")
     p.add_argument("--random-range-ratio", type=float, default=0.0,

@@ -81,6 +81,16 @@ def test_a_request_without_tokens_fails_and_counts_none():
     assert not r.success and r.output_tokens == 0 and "no token chunk" in r.error
 
 
+def test_peaks_from_a_stream():
+    """The client's send time and chunk times feed vLLM's per-second peaks: 5 chunks at once, then 2 a second on."""
+    r = run([(0.0, completion("a"))] * 5 + [(1.05, completion("b")), (0.0, completion("", "length")),
+                                             (0.0, usage(3, 7))])
+    m = compute_metrics([r], r.latency)
+    assert r.success and m.max_output_tokens_per_s == 5.0 and m.max_concurrent_requests == 1
+    lines = format_metrics(m).splitlines()
+    assert "Peak output token throughput (tok/s): 5.00" in [" ".join(x.split()) for x in lines]
+
+
 def test_unknown_input_lengths_are_na_not_zero():
     ok = RequestResult(success=True, prompt_len=None, output_tokens=4, ttft=0.1, itl=[0.01] * 3, latency=0.13)
     m = compute_metrics([ok, RequestResult(success=True, prompt_len=7, output_tokens=2, ttft=0.1, latency=0.2)], 1.0)

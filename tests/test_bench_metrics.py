@@ -33,6 +33,26 @@ def test_ttft_tpot_itl_e2el_follow_vllm_definitions():
     assert m.request_goodput is None
 
 
+def test_peak_throughput_and_concurrency_count_per_second_buckets_as_vllm():
+    """One-second buckets from the first send (times exact in binary, so none lands on an edge by rounding)."""
+    def at(start, ttft, gaps):
+        return RequestResult(success=True, prompt_len=1, output_tokens=len(gaps) + 1, ttft=ttft, itl=list(gaps),
+                             latency=ttft + sum(gaps), start=start)
+    a = at(10.0, 0.25, [0.25, 0.25, 0.5])  # chunks at +0.25 +0.5 +0.75 | +1.25; in flight over buckets 0, 1
+    b = at(10.5, 0.125, [0.125] * 3)  # +0.625 +0.75 +0.875 | +1.0 (a chunk on the edge is the later bucket's)
+    c = at(11.125, 0.125, [])  # +1.25, sent after b's end: in bucket 1 with a and b, never 3 at one instant
+    d = at(12.5, 0.5, [0.5, 0.25])  # +3.0 +3.5 +3.75: no chunk in bucket 2
+    m = compute_metrics([a, b, c, d, RequestResult(error="HTTP 500: boom", start=10.0)], 4.0)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (6.0, 3)  # bucket 0: 3 + 3 chunks
+    text = format_metrics(m)
+    assert "Peak output token throughput (tok/s):" in text and "6.00" in text and "Peak concurrent requests:" in text
+    assert m.to_dict()["max_output_tokens_per_s"] == 6.0 and m.to_dict()["max_concurrent_requests"] == 3
+    # one chunk of several tokens counts once, as vLLM's; no success: 0 and 0, as vLLM
+    assert compute_metrics([at(0.0, 0.5, [0.25])], 1.0).max_output_tokens_per_s == 2.0
+    none = compute_metrics([RequestResult(error="x")], 1.0)
+    assert (none.max_output_tokens_per_s, none.max_concurrent_requests) == (0.0, 0)
+
+
 def test_percentiles_interpolate_linearly():
     s = summarize([i / 1000 for i in range(1, 101)])  # 1..100 ms
     assert s["median"] == pytest.approx(50.5) and s["p90"] == pytest.approx(90.1) and s["p99"] == pytest.approx(99.01)

@@ -48,6 +48,7 @@ def test_client_keeps_up_at_200_req_per_s(null_server, tmp_path):
     res = json.loads(out.read_text())
     assert res["completed"] == 1000 and res["failed"] == 0
     assert res["total_output_tokens"] == 2000  # from the usage chunk
+    assert res["max_output_tokens_per_s"] >= 200 and res["max_concurrent_requests"] >= 1  # vLLM's peak keys
     assert res["request_throughput"] == pytest.approx(200, rel=0.05), res["request_throughput"]
     # p90, not p99: one stall of this 2-core VM (100+ ms seen under a test suite) holds ~20 of the 1000 requests
     # (2%), while a client that cannot keep up lags on most of them (and misses the rate above).

@@ -3,8 +3,10 @@
 TTFT: send -> first chunk carrying a token (its text may be empty). TPOT: (E2EL - TTFT) / (output tokens - 1), per
 request, for requests with more than one token. ITL: every gap between consecutive token chunks, pooled over requests
 (a chunk of several tokens, e.g. with speculative decoding, is one gap). E2EL: send -> the last token chunk. A
-request is good (goodput) when it meets every SLO given. Input tokens are the server's usage `prompt_tokens` where it
-gives them; when neither it nor a tokenizer gives a request's count, the totals that need it are None ("n/a").
+request is good (goodput) when it meets every SLO given. Peaks, as vLLM's: time from the first send cut in one-second
+buckets, the most token chunks in one, and the most requests in flight at some point of one. Input tokens are the
+server's usage `prompt_tokens` where it gives them; when neither it nor a tokenizer gives a request's count, the
+totals that need it are None ("n/a").
 """
 from __future__ import annotations
 
@@ -101,6 +103,8 @@ class BenchmarkMetrics:
     output_throughput: float
     total_token_throughput: Optional[float]
     request_goodput: Optional[float]
+    max_output_tokens_per_s: float  # vLLM's names, flat in --save-result as in its file
+    max_concurrent_requests: int
     ttft_ms: dict
     tpot_ms: dict
     itl_ms: dict
@@ -120,6 +124,21 @@ class BenchmarkMetrics:
         return out
 
 
+def peaks(ok: list[RequestResult]) -> tuple[float, int]:
+    """vLLM's peak output throughput and concurrency over the successful requests, in one-second buckets from the
+    first send: a token chunk counts once in the bucket it arrived in (as one token, as vLLM's, even a chunk that
+    carries several, e.g. with speculative decoding), a request once in every bucket from its send to its last
+    token chunk. So two requests one after the other inside a second are both counted: concurrent within the
+    second, not at one instant. (0.0, 0) without a success, as vLLM."""
+    if not ok:
+        return 0.0, 0
+    t0 = min(r.start for r in ok)
+    # arrival times summed as vLLM's (send + TTFT, then each gap), so a chunk on a bucket's edge lands where it does
+    chunks = np.concatenate([np.cumsum([r.start + r.ttft, *r.itl]) - t0 for r in ok]).astype(int)
+    active = np.concatenate([np.arange(int(r.start - t0), int(r.start + r.latency - t0) + 1) for r in ok])
+    return float(np.bincount(chunks).max()), int(np.bincount(active).max())
+
+
 def compute_metrics(results: list[RequestResult], duration_s: float, slos: Optional[dict[str, float]] = None,
                     percentiles: tuple[float, ...] = PERCENTILES) -> BenchmarkMetrics:
     ok = [r for r in results if r.success]
@@ -127,12 +146,14 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slos: Optio
     n_in = None if any(r.prompt_len is None for r in ok) else sum(r.prompt_len for r in ok)
     dur = max(duration_s, 1e-9)
     errors = sorted({r.error for r in results if not r.success})
+    peak_tokens, peak_requests = peaks(ok)
     return BenchmarkMetrics(
         completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
         total_input_tokens=n_in, total_output_tokens=n_out,
         request_throughput=len(ok) / dur, output_throughput=n_out / dur,
         total_token_throughput=None if n_in is None else (n_in + n_out) / dur,
         request_goodput=sum(is_good(r, slos) for r in ok) / dur if slos else None,
+        max_output_tokens_per_s=peak_tokens, max_concurrent_requests=peak_requests,
         ttft_ms=summarize([r.ttft for r in ok], percentiles),
         tpot_ms=summarize([r.tpot for r in ok if r.tpot is not None], percentiles),
         itl_ms=summarize([gap for r in ok for gap in r.itl], percentiles),
@@ -150,6 +171,8 @@ def format_metrics(m: BenchmarkMetrics, title: str = "Serving Benchmark Result",
     if m.request_goodput is not None:
         rows.append(("Request goodput (req/s):", f"{m.request_goodput:.2f}"))
     rows += [("Output token throughput (tok/s):", f"{m.output_throughput:.2f}"),
+             ("Peak output token throughput (tok/s):", f"{m.max_output_tokens_per_s:.2f}"),
+             ("Peak concurrent requests:", m.max_concurrent_requests),
              ("Total token throughput (tok/s):",
               "n/a" if m.total_token_throughput is None else f"{m.total_token_throughput:.2f}")]
     lines = [f"{f' {title} ':=^60}"] + [f"{k:<44}{v:>16}" for k, v in rows]

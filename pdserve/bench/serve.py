@@ -85,7 +85,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="pdserve nodes whose /metrics give the decode-graph share (default: the decode nodes a "
                         "pdserve router lists at /nodes, else --base-url): for a router that lists none, e.g. "
                         "vllm-router, name the decode nodes.")
-    p.add_argument("--save-result", default=None, metavar="FILE.json", help="Write metrics and per-request data.")
+    p.add_argument("--save-result", default=None, metavar="FILE.json",
+                   help="Write metrics under vLLM's keys (its peaks too: max_output_tokens_per_s, "
+                        "max_concurrent_requests) and pdserve's, and per-request data.")
     p.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
 
 

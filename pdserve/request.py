@@ -47,6 +47,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.num_external_tokens = 0  # prompt tokens whose KV was imported (P/D consumer, arrival driver)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: Optional[str] = None

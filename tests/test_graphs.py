@@ -284,3 +284,18 @@ def test_resumed_preempted_request_is_labelled_prefill(qwen3_tiny):
     assert resumed, seen  # the readmission hit the whole prompt and recomputed the outputs past it
     assert all(reason == "prefill" for _, reason in resumed), resumed
     assert not any(reason == "non_uniform" for _, reason in seen)
+
+
+def test_arrival_driver_counts_imported_tokens_as_external(qwen3_tiny):
+    """The arrival driver's KV stands in for a prefill node's: external, after any local prefix hit (what
+    vllm:prompt_tokens_by_source reads); the replay's last token is computed."""
+    llm = make(qwen3_tiny, dtype="float32", kv_transfer_config=CONSUMER, enable_prefix_caching=True)
+    e = llm.engine
+    got = {}
+    for rid in ("first", "again"):  # 37 tokens: the second hits the first's 2 full blocks
+        e.add_prefilled_request(prompt(9, 37), greedy(2), request_id=rid)
+        while e.has_unfinished_requests():
+            for o in e.step():
+                got.setdefault(o.request_id, (o.num_cached_tokens, o.num_external_tokens))
+    assert got == {"first": (0, 36), "again": (32, 4)}, got
+    finish_all(llm)

@@ -252,8 +252,18 @@ def test_zz_client_abort_while_decode_waits_for_kv(dep):
     with socket.create_server(("127.0.0.1", kv_port)):
         body = {"model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": 4, "stream": True,
                 "kv_transfer_params": params}
-        with pytest.raises(httpx.ReadTimeout):  # no headers before the first token
-            httpx.post(d2.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(httpx.post, d2.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+            # while D waits for P's answer the request is waiting, deferred (not for a seat or blocks)
+            deadline, m = time.monotonic() + 0.9, {}
+            while not metric(m, "vllm:num_requests_waiting_by_reason", reason="deferred") and \
+                    time.monotonic() < deadline:
+                m = metrics(d2.url)
+            assert metric(m, "vllm:num_requests_waiting_by_reason", reason="deferred") == 1, m
+            assert metric(m, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+            assert metric(m, "vllm:num_requests_waiting") == 1
+            with pytest.raises(httpx.ReadTimeout):  # no headers before the first token
+                sent.result()
         deadline = time.monotonic() + 5
         while metric(d2.url, "vllm:request_success_total", finished_reason="abort") == aborts:
             assert time.monotonic() < deadline, "D did not abort the request"

@@ -22,7 +22,7 @@ import pytest
 from pdserve.transfer.proof import PROOF_FIELD, sign_params
 from pdserve.transfer.tcp import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, free_port, kv_config, kv_state, metric,
-                                  wait_pools_whole)
+                                  metrics, wait_pools_whole)
 
 LEASE = 30.0  # P's kv_lease_seconds: every release below must come well before it
 PROMPT = "def release(lease):\n    return lease.blocks  # " + "x" * 40
@@ -322,9 +322,13 @@ def queue_on_decode(dep, prompt: str) -> socket.socket:
     d = dep["D"]
     sock = raw_request(d.url, body(prompt, stream=True, kv_transfer_params=prefilled(dep, prompt)))
     deadline = time.monotonic() + 10
-    while metric(d.url, "vllm:num_requests_waiting") < 1:
+    # once P has answered D's lease check (a deferred wait), it waits for the seat: a capacity wait
+    while metric(d.url, "vllm:num_requests_waiting_by_reason", reason="capacity") < 1:
         assert time.monotonic() < deadline, "the P/D request never waited in D's queue"
         time.sleep(0.05)
+    m = metrics(d.url)
+    assert metric(m, "vllm:num_requests_waiting") == 1, m
+    assert metric(m, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0
     return sock
 
 

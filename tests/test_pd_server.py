@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import RouterProcess, ServerProcess, complete, free_port, kv_config, wait_pools_whole
+from tests.server_harness import (RouterProcess, ServerProcess, complete, free_port, kv_config, metric, metrics,
+                                  wait_pools_whole)
 
 PROMPTS = [f"def function_{i}(x):\n    " + "return x + 1\n" * (i % 5) + "#" * i for i in range(16)]
 
@@ -61,6 +62,28 @@ def test_router_outputs_equal_collocated(deployment):
         stream = i % 2 == 1
         assert complete(r.url, prompt, stream) == complete(c.url, prompt, stream), prompt
     wait_pools_whole(deployment["P"], deployment["D"])
+
+
+def test_prompt_tokens_by_source(deployment):
+    """D computes only each request's last prompt token (its replay); the rest came from P, which has nothing
+    external. Fresh 37-token prompts (2 blocks + 5): no prefix hit anywhere."""
+    P, D = deployment["P"], deployment["D"]
+    names = {src: ("vllm:prompt_tokens_by_source_total", {"source": src})
+             for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    names["all"], names["cached"] = ("vllm:prompt_tokens_total", {}), ("vllm:prompt_tokens_cached_total", {})
+
+    def counts(node):
+        m = metrics(node.url)
+        return {k: metric(m, name, **labels) for k, (name, labels) in names.items()}
+    before = {n: counts(n) for n in (P, D)}
+    for i in range(2):
+        body = {"model": "qwen3-tiny-s0", "prompt": [4000 + 97 * i + j for j in range(37)], "max_tokens": 3,
+                "temperature": 0}
+        assert httpx.post(deployment["R"].url + "/v1/completions", json=body, timeout=60).status_code == 200
+    d, p = ({k: v - before[n][k] for k, v in counts(n).items()} for n in (D, P))
+    assert d == {"local_compute": 2, "local_cache_hit": 0, "external_kv_transfer": 72, "all": 74, "cached": 72}, d
+    assert p == {"local_compute": 74, "local_cache_hit": 0, "external_kv_transfer": 0, "all": 74, "cached": 0}, p
+    wait_pools_whole(P, D)
 
 
 def test_chat_through_router(deployment):

@@ -275,6 +275,10 @@ def test_metrics_move(client, http):
                  "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count"):
         assert delta(name) == 1, name
     assert delta("vllm:prefix_cache_queries_total") >= delta("vllm:prompt_tokens_total")
+    src = {s: delta("vllm:prompt_tokens_by_source_total", source=s)
+           for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert sum(src.values()) == delta("vllm:prompt_tokens_total") and src["external_kv_transfer"] == 0, src
+    assert delta("vllm:prompt_tokens_cached_total") == src["local_cache_hit"]
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
                  "vllm:prefix_cache_hits_total", "pdserve_cudagraph_padded_tokens_total"):
         assert any(n == name for n, _ in after), name
@@ -293,6 +297,9 @@ def test_prefix_cache_hits_are_counted(client, http):
     hits = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
     queries = total(after, "vllm:prefix_cache_queries_total") - total(before, "vllm:prefix_cache_queries_total")
     assert 0 < hits < queries, (hits, queries)  # the second request hit the first one's full blocks
+    local = total(after, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") - \
+        total(before, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    assert local == hits
 
 
 def test_request_id_echoed_and_logged(server, http):

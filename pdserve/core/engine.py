@@ -173,6 +173,7 @@ class LLMEngine(EnginePDMixin):
             raise
         req.num_computed_tokens = n - 1
         req.num_cached_tokens = num_hit
+        req.num_external_tokens = n - 1 - num_hit
         self.kv.cache_blocks(req)
         self.scheduler.mark_imported(req)
         return req

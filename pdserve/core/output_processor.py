@@ -114,4 +114,5 @@ class OutputProcessor:
                                 list(req.output_token_ids) if cumulative else new_ids, None, logprobs,
                                 req.status.finish_reason, req.stop_reason, delta, new_ids)
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, [comp], finished,
-                             max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out)
+                             max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out,
+                             req.num_external_tokens)

@@ -61,6 +61,7 @@ class SchedulerPDMixin:
             req.status = RequestStatus.WAITING
             if rid in fin.done_recving:
                 req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
                 self.kv.cache_blocks(req)  # authenticated and complete: safe to share
                 self.ready.append(req)
             elif self.load_failure_policy == "recompute":

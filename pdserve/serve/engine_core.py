@@ -31,12 +31,13 @@ class TokenRecord:
     stop_reason: Any = None
     logprobs: Optional[list] = None  # per new token: [(token_id, logprob, rank, decoded), ...], sampled first
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
     rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
     timing: Optional[dict] = None  # on the record with the first token: seconds by stage, see `_timing`
     kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
+    num_external_tokens: int = 0  # prompt tokens imported from a prefill node (or the arrival driver)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _record(out) -> TokenRecord:
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
                        getattr(out, "kv_transfer_params", None), timing=_timing(out.metrics) if first else None,
-                       kv_unused=first and out.metrics.kv_unused)
+                       kv_unused=first and out.metrics.kv_unused, num_external_tokens=out.num_external_tokens)
 
 
 class EngineCore:
@@ -237,7 +238,8 @@ class EngineCore:
         eng = self.engine
         s = eng.scheduler
         transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
-        return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
+        return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
+                "waiting_deferred": len(s.loading) + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,
                 "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's PromptTokenStats
 LABELS = ["model_name", "engine"]
 ENGINE = "0"  # one engine per server (vLLM's engine index, without data parallelism)
 
@@ -55,6 +56,12 @@ class EngineCollector:
         yield self._one(g, "vllm:num_requests_waiting", "Number of requests waiting to be processed (a decode "
                         "node's included while their KV loads or their prefill node's lease is checked).",
                         s["waiting"])
+        by = g("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason: 'capacity' = waiting "
+               "for a seat or KV blocks; 'deferred' = waiting on a KV transfer or on the prefill node's lease "
+               "answer. Sums to vllm:num_requests_waiting.", labels=LABELS + ["reason"])
+        by.add_metric(self.lab + ["capacity"], s["waiting"] - s["waiting_deferred"])
+        by.add_metric(self.lab + ["deferred"], s["waiting_deferred"])
+        yield by
         yield self._one(g, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s["kv_usage"])
         yield self._one(c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                         s["preemptions"])
@@ -144,6 +151,12 @@ class ServerMetrics:
 
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lab,
                                      registry=r).labels(*self._lab)
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source (local_compute + "
+                            "local_cache_hit + external_kv_transfer = vllm:prompt_tokens).", lab + ["source"],
+                            registry=r)
+        self.prompt_by_source = {src: by_source.labels(*self._lab, src) for src in PROMPT_SOURCES}
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + "
+                                     "external).", lab, registry=r).labels(*self._lab)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lab,
                                          registry=r).labels(*self._lab)
         self._success_family = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -173,7 +186,7 @@ class ServerMetrics:
         if n:
             if state.first_time is None:
                 self.ttft.observe(max(t - state.arrival, 0.0))
-                self.prompt_tokens.inc(rec.num_prompt_tokens)
+                self._prompt(rec)
                 if rec.timing:
                     self.queue.observe(rec.timing["queue"] + rec.timing["kv_transfer"])
                     self.prefill.observe(rec.timing["prefill"])
@@ -193,6 +206,17 @@ class ServerMetrics:
                 self.inference.observe(state.prefill_time + decode)
                 if total > 1 and state.first_time is not None:
                     self.tpot.observe(decode / (total - 1))
+
+    def _prompt(self, rec) -> None:
+        """A request's prompt tokens by where their KV came from, once, at its first token (as vLLM's first prefill
+        output): the replay's last token is always computed here, so a local hit plus an import stay under the
+        prompt."""
+        local, external = rec.num_cached_tokens, rec.num_external_tokens
+        self.prompt_tokens.inc(rec.num_prompt_tokens)
+        self.prompt_by_source["local_compute"].inc(rec.num_prompt_tokens - local - external)
+        self.prompt_by_source["local_cache_hit"].inc(local)
+        self.prompt_by_source["external_kv_transfer"].inc(external)
+        self.prompt_cached.inc(local + external)
 
     def render(self, engine_stats: Optional[dict]) -> bytes:
         """`engine_stats` None (the engine did not answer): this scrape has no engine-level series."""

@@ -279,6 +279,14 @@ def test_metrics_move(client, http):
            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     assert sum(src.values()) == delta("vllm:prompt_tokens_total") and src["external_kv_transfer"] == 0, src
     assert delta("vllm:prompt_tokens_cached_total") == src["local_cache_hit"]
+    assert delta("vllm:request_prompt_tokens_count") == 1
+    assert delta("vllm:request_prompt_tokens_sum") == delta("vllm:prompt_tokens_total")
+    assert delta("vllm:request_generation_tokens_sum") == 7 and delta("vllm:request_params_max_tokens_sum") == 7
+    # vLLM's 1-2-5 token buckets up to max_model_len (the fixture's 512): a 7-token answer lands in le=10
+    les = sorted(float(dict(lab)["le"]) for n, lab in after if n == "vllm:request_generation_tokens_bucket")
+    assert les == [1, 2, 5, 10, 20, 50, 100, 200, 500, float("inf")], les
+    assert delta("vllm:request_generation_tokens_bucket", le="10.0") == 1
+    assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 0
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
                  "vllm:prefix_cache_hits_total", "pdserve_cudagraph_padded_tokens_total"):
         assert any(n == name for n, _ in after), name
@@ -443,3 +451,9 @@ def test_bad_request_does_not_disturb_others(server, http):
     assert [r.status_code for r in rs] == [200] * 4 + [400, 400]
     assert all(r.json()["usage"]["completion_tokens"] == 6 for r in rs[:4])
     assert kv(http)["invariants_ok"]
+
+
+def test_token_count_buckets_stop_at_max_model_len():
+    from pdserve.serve.metrics import _1_2_5
+    assert _1_2_5(1) == [1.0] and _1_2_5(4) == [1.0, 2.0]
+    assert _1_2_5(100) == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0] and _1_2_5(199)[-1] == 100.0

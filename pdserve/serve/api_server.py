@@ -76,6 +76,7 @@ class ServerState:
                 server.should_exit = True
             return
         info = self.engine.info
+        self.metrics.engine_ready(info.max_model_len)
         self.serving = OpenAIServing(self.engine, ModelInfo(self.names, self.tokenizer, info.vocab_size,
                                                             info.max_model_len, self.generation_config,
                                                             info.has_kv_connector))

@@ -33,6 +33,8 @@ class _RequestState:
     num_tokens: int = 0
     finished: bool = False
     prefill_time: float = 0.0  # the engine's, from the first token's timing (metrics: inference = prefill + decode)
+    num_prompt_tokens: int = 0
+    max_tokens: Optional[int] = None  # the client's max_tokens (None: what the context leaves)
 
 
 class AsyncEngine:
@@ -284,7 +286,8 @@ class AsyncEngine:
         A request id already in flight gets a suffix, so ids stay unique in the engine."""
         self.check_accepting()
         request_id = self.unique_id(request_id)
-        st = _RequestState(request_id, arrival)
+        st = _RequestState(request_id, arrival, num_prompt_tokens=len(token_ids),
+                           max_tokens=getattr(params, "max_tokens", None))
         self._reqs[request_id] = st
         self._num_queued += 1
         self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params))

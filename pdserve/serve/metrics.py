@@ -28,6 +28,17 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
+def _1_2_5(top: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `top` (vLLM's build_1_2_5_buckets, for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > top:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
 
@@ -176,8 +187,22 @@ class ServerMetrics:
                             "request (on a decode node with imported KV, its one-token replay).", _REQUEST_BUCKETS)
         self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
                            "request.", _REQUEST_BUCKETS)
+        self.req_prompt = self.req_generation = self.req_max_tokens = None  # engine_ready() sets them
         self.inference = hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
                               "request.", _REQUEST_BUCKETS)
+
+    def engine_ready(self, max_model_len: int) -> None:
+        """The token-count histograms, whose buckets stop at max_model_len (known once the engine has started;
+        no request is admitted before)."""
+        if self.req_prompt is not None:
+            return
+
+        def hist(name, doc):
+            return Histogram(name, doc, LABELS, buckets=_1_2_5(max_model_len), registry=self.registry).labels(
+                *self._lab)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.")
+        self.req_generation = hist("vllm:request_generation_tokens", "Number of generation tokens processed.")
+        self.req_max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.")
 
     def on_tokens(self, state, rec, t: float) -> None:
         """Called for every engine record of a request, in order. `state` carries arrival/first/last times; its
@@ -200,6 +225,11 @@ class ServerMetrics:
             counter.inc()
             self.e2e.observe(max(t - state.arrival, 0.0))
             total = state.num_tokens + n
+            if self.req_prompt is not None:
+                self.req_prompt.observe(state.num_prompt_tokens)
+                self.req_generation.observe(total)
+                if state.max_tokens:
+                    self.req_max_tokens.observe(state.max_tokens)
             if state.first_time is not None or n:  # a request with tokens: its decode ran from the first one
                 decode = max(t - state.first_time, 0.0) if state.first_time is not None else 0.0
                 self.decode.observe(decode)

@@ -67,7 +67,7 @@ class PhaseTimer:
 
 def measure(model: str, rows: int, workload: str, steps: int, prompt_len: int = 64) -> dict:
     from pdserve import LLM
-    from pdserve.serve.engine_core import _record
+    from pdserve.serve.engine_messages import record
     ctx = prompt_len + 400 + 16
     llm = LLM(model, max_model_len=ctx, max_num_seqs=max(rows, 1), max_num_batched_tokens=max(2048, rows),
               num_gpu_blocks_override=rows * (ctx // 16 + 1) + ctx // 16 + 2)
@@ -92,7 +92,7 @@ def measure(model: str, rows: int, workload: str, steps: int, prompt_len: int = 
         outs = eng.step()
         total = time.perf_counter() - t
         t = time.perf_counter()
-        records = [_record(o) for o in outs]
+        records = [record(o) for o in outs]
         timer.cur["server"] = time.perf_counter() - t
         assert len(records) == rows, f"{len(records)} outputs for {rows} rows"
         timer.cur["outputs"] = total - sum(timer.cur[p] for p in PHASES if p not in ("outputs", "server"))

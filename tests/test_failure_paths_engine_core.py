@@ -14,7 +14,8 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.serve.async_engine import AsyncEngine
-from pdserve.serve.engine_core import EngineCore, EngineInfo, QueueInbox, StepBatch
+from pdserve.serve.engine_core import EngineCore, QueueInbox
+from pdserve.serve.engine_messages import EngineInfo, StepBatch
 from pdserve.serve.errors import APIError
 
 SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -16,7 +16,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pdserve.serve.engine_core import EngineCore, EngineInfo, QueueInbox, StepBatch, TokenRecord, run_in_process
+from pdserve.serve.engine_core import EngineCore, QueueInbox, run_in_process
+from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord
 from pdserve.serve.errors import APIError
 
 logger = logging.getLogger("pdserve.serve.engine")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from pdserve.serve.engine_core import TokenRecord
+from pdserve.serve.engine_messages import TokenRecord
 from pdserve.serve.protocol import GenerationRequest
 
 

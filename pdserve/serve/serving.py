@@ -50,7 +50,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 def server_timing(timing: Optional[dict], kv_unused: bool = False) -> dict:
     """A `Server-Timing` header (`name;dur=<ms>`, RFC's format) from the first token's engine timing
-    (engine_core._timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it. With
+    (engine_messages.timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it. With
     `kv_unused` (D took none of P's KV, e.g. its KV link to P is broken, so D's own `done` may not reach P
     either), KV_UNUSED_HEADER too: pdserve's router then releases P's lease over HTTP."""
     out = {KV_UNUSED_HEADER: "1"} if kv_unused else {}

@@ -1,0 +1,71 @@
+"""What the engine loop (engine_core.py) sends the server: plain, picklable records, so the thread and the process
+backends carry the same objects. `record()` turns one engine RequestOutput into the request's TokenRecord."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class TokenRecord:
+    """One request's progress in one step (or its end)."""
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    logprobs: Optional[list] = None  # per new token: [(token_id, logprob, rank, decoded), ...], sampled first
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit
+    error: Optional[str] = None
+    kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
+    rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
+    timing: Optional[dict] = None  # on the record with the first token: seconds by stage, see `timing`
+    kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
+    num_external_tokens: int = 0  # prompt tokens imported from a prefill node (or the arrival driver)
+
+
+@dataclass
+class StepBatch:
+    time: float  # time.monotonic() when the step's outputs were ready (CLOCK_MONOTONIC: same clock across processes)
+    records: list[TokenRecord] = field(default_factory=list)
+    replies: list[tuple[int, Any]] = field(default_factory=list)  # (query id, result)
+
+
+@dataclass
+class EngineInfo:
+    """Sent once start-up is done."""
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    device: str
+    has_kv_connector: bool
+
+
+def timing(m) -> Optional[dict]:
+    """Where the engine's time to first token went: queue (arrival to first scheduled, the KV wait taken out),
+    kv_transfer (P/D consumer: waiting for the remote KV), prefill (first scheduled to first token: the prefill,
+    or on D the one-token replay) and ttft (arrival to first token, the sum)."""
+    if m is None or m.first_token_time is None or m.first_scheduled_time is None:
+        return None
+    kv = getattr(m, "kv_transfer_time", 0.0)
+    return {"queue": max(m.first_scheduled_time - m.arrival_time - kv, 0.0), "kv_transfer": kv,
+            "prefill": m.first_token_time - m.first_scheduled_time, "ttft": m.first_token_time - m.arrival_time}
+
+
+def record(out) -> TokenRecord:
+    c = out.outputs[0]
+    m = out.metrics  # the step of the first token set both to the same time
+    first = bool(c.delta_token_ids) and m is not None and m.first_token_time == m.last_token_time
+    lps = None
+    if c.logprobs is not None and c.delta_token_ids:
+        lps = []
+        for tok, entry in zip(c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]):
+            chosen = entry[tok]
+            rest = [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items() if t != tok]
+            lps.append([(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2]))
+    return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
+                       c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
+                       getattr(out, "kv_transfer_params", None), timing=timing(out.metrics) if first else None,
+                       kv_unused=first and out.metrics.kv_unused, num_external_tokens=out.num_external_tokens)

@@ -59,3 +59,4 @@ class RequestOutput:
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None  # P: where a decode node can read this request's prompt KV
     num_external_tokens: int = 0  # prompt tokens whose KV came from elsewhere (a prefill node), not computed here
+    num_preemptions: int = 0

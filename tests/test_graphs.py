@@ -278,8 +278,11 @@ def test_resumed_preempted_request_is_labelled_prefill(qwen3_tiny):
     runner.choose_graph = spy
     for i, n in ((0, 30), (1, 40)):
         e.add_request(prompt(40 + i, 32), greedy(n), request_id=f"p{i}")
+    preempted = {}
+    while e.has_unfinished_requests():
+        preempted.update((o.request_id, o.num_preemptions) for o in e.step() if o.finished)
     finish_all(llm)
-    assert e.scheduler.num_preemptions >= 1
+    assert e.scheduler.num_preemptions == 1 and preempted == {"p0": 0, "p1": 1}, preempted  # what /metrics reads
     resumed = [(rows, reason) for rows, reason in seen if any(n > 1 and c >= p for c, n, p in rows)]
     assert resumed, seen  # the readmission hit the whole prompt and recomputed the outputs past it
     assert all(reason == "prefill" for _, reason in resumed), resumed

@@ -71,6 +71,8 @@ def test_prompt_tokens_by_source(deployment):
     names = {src: ("vllm:prompt_tokens_by_source_total", {"source": src})
              for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     names["all"], names["cached"] = ("vllm:prompt_tokens_total", {}), ("vllm:prompt_tokens_cached_total", {})
+    names["kv_computed"] = ("vllm:request_prefill_kv_computed_tokens_sum", {})
+    names["step_tokens"] = ("vllm:iteration_tokens_total_sum", {})
 
     def counts(node):
         m = metrics(node.url)
@@ -81,8 +83,11 @@ def test_prompt_tokens_by_source(deployment):
                 "temperature": 0}
         assert httpx.post(deployment["R"].url + "/v1/completions", json=body, timeout=60).status_code == 200
     d, p = ({k: v - before[n][k] for k, v in counts(n).items()} for n in (D, P))
-    assert d == {"local_compute": 2, "local_cache_hit": 0, "external_kv_transfer": 72, "all": 74, "cached": 72}, d
-    assert p == {"local_compute": 74, "local_cache_hit": 0, "external_kv_transfer": 0, "all": 74, "cached": 0}, p
+    # D's steps: each replay computes 1 prompt token, then 3 tokens are generated; P's: 37 + its one token
+    assert d == {"local_compute": 2, "local_cache_hit": 0, "external_kv_transfer": 72, "all": 74, "cached": 72,
+                 "kv_computed": 2, "step_tokens": 2 * (1 + 3)}, d
+    assert p == {"local_compute": 74, "local_cache_hit": 0, "external_kv_transfer": 0, "all": 74, "cached": 0,
+                 "kv_computed": 74, "step_tokens": 2 * (37 + 1)}, p
     wait_pools_whole(P, D)
 
 

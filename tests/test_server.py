@@ -287,6 +287,13 @@ def test_metrics_move(client, http):
     assert les == [1, 2, 5, 10, 20, 50, 100, 200, 500, float("inf")], les
     assert delta("vllm:request_generation_tokens_bucket", le="10.0") == 1
     assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 0
+    computed = delta("vllm:prompt_tokens_total") - delta("vllm:prompt_tokens_cached_total")
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == computed
+    # one step finished the prefill with the first token, six more gave one token each
+    assert delta("vllm:iteration_tokens_total_count") == 7 and delta("vllm:iteration_tokens_total_sum") == computed + 7
+    assert delta("vllm:iteration_tokens_total_bucket", le="1.0") == 6
+    assert delta("vllm:request_num_preemptions_count") == 1 and delta("vllm:request_num_preemptions_bucket",
+                                                                         le="1.0") == 1
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
                  "vllm:prefix_cache_hits_total", "pdserve_cudagraph_padded_tokens_total"):
         assert any(n == name for n, _ in after), name

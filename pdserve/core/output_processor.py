@@ -115,4 +115,4 @@ class OutputProcessor:
                                 req.status.finish_reason, req.stop_reason, delta, new_ids)
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, [comp], finished,
                              max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out,
-                             req.num_external_tokens)
+                             req.num_external_tokens, req.num_preemptions)

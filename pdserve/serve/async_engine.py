@@ -36,6 +36,7 @@ class _RequestState:
     prefill_time: float = 0.0  # the engine's, from the first token's timing (metrics: inference = prefill + decode)
     num_prompt_tokens: int = 0
     max_tokens: Optional[int] = None  # the client's max_tokens (None: what the context leaves)
+    num_cached_tokens: int = 0  # local + external, from the first token's record
 
 
 class AsyncEngine:
@@ -216,6 +217,8 @@ class AsyncEngine:
         if isinstance(obj, StepBatch):
             for rec in obj.records:
                 self._on_record(rec, obj.time)
+            if self.metrics is not None:
+                self.metrics.end_step()
             for qid, result in obj.replies:
                 fut = self._queries.pop(qid, None)
                 if fut is not None and not fut.done():

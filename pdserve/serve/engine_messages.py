@@ -24,6 +24,7 @@ class TokenRecord:
     timing: Optional[dict] = None  # on the record with the first token: seconds by stage, see `timing`
     kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
     num_external_tokens: int = 0  # prompt tokens imported from a prefill node (or the arrival driver)
+    num_preemptions: int = 0  # on the finished record
 
 
 @dataclass
@@ -68,4 +69,5 @@ def record(out) -> TokenRecord:
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
                        getattr(out, "kv_transfer_params", None), timing=timing(out.metrics) if first else None,
-                       kv_unused=first and out.metrics.kv_unused, num_external_tokens=out.num_external_tokens)
+                       kv_unused=first and out.metrics.kv_unused, num_external_tokens=out.num_external_tokens,
+                       num_preemptions=out.num_preemptions)

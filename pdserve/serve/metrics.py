@@ -39,6 +39,8 @@ def _1_2_5(top: int) -> list[float]:
         scale *= 10
 
 
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
 
@@ -187,7 +189,12 @@ class ServerMetrics:
                             "request (on a decode node with imported KV, its one-token replay).", _REQUEST_BUCKETS)
         self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
                            "request.", _REQUEST_BUCKETS)
-        self.req_prompt = self.req_generation = self.req_max_tokens = None  # engine_ready() sets them
+        self.req_prompt = self.req_generation = self.req_max_tokens = self.req_prefill_kv = None  # engine_ready()
+        self.iteration = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                              _ITERATION_BUCKETS)
+        self.req_preemptions = hist("vllm:request_num_preemptions", "Histogram of the number of times a request was "
+                                    "preempted.", _PREEMPTION_BUCKETS)
+        self._step_tokens = 0
         self.inference = hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
                               "request.", _REQUEST_BUCKETS)
 
@@ -203,15 +210,27 @@ class ServerMetrics:
         self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.")
         self.req_generation = hist("vllm:request_generation_tokens", "Number of generation tokens processed.")
         self.req_max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.")
+        self.req_prefill_kv = hist("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed "
+                                   "during prefill (excluding cached tokens, local or imported).")
+
+    def end_step(self) -> None:
+        """After one engine step's records: the tokens it computed (vLLM's iteration tokens: prompt tokens of the
+        requests whose prefill it finished, not cached or imported, plus the tokens it generated)."""
+        if self._step_tokens:
+            self.iteration.observe(self._step_tokens)
+            self._step_tokens = 0
 
     def on_tokens(self, state, rec, t: float) -> None:
         """Called for every engine record of a request, in order. `state` carries arrival/first/last times; its
-        prefill_time is set here."""
+        prefill_time and num_cached_tokens are set here."""
         n = len(rec.new_token_ids)
+        self._step_tokens += n
         if n:
             if state.first_time is None:
                 self.ttft.observe(max(t - state.arrival, 0.0))
                 self._prompt(rec)
+                state.num_cached_tokens = rec.num_cached_tokens + rec.num_external_tokens
+                self._step_tokens += rec.num_prompt_tokens - state.num_cached_tokens
                 if rec.timing:
                     self.queue.observe(rec.timing["queue"] + rec.timing["kv_transfer"])
                     self.prefill.observe(rec.timing["prefill"])
@@ -225,8 +244,10 @@ class ServerMetrics:
             counter.inc()
             self.e2e.observe(max(t - state.arrival, 0.0))
             total = state.num_tokens + n
+            self.req_preemptions.observe(rec.num_preemptions)
             if self.req_prompt is not None:
                 self.req_prompt.observe(state.num_prompt_tokens)
+                self.req_prefill_kv.observe(state.num_prompt_tokens - state.num_cached_tokens)
                 self.req_generation.observe(total)
                 if state.max_tokens:
                     self.req_max_tokens.observe(state.max_tokens)

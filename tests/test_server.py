@@ -283,6 +283,9 @@ def test_metrics_move(client, http):
     assert delta("vllm:request_prompt_tokens_sum") == delta("vllm:prompt_tokens_total")
     assert delta("vllm:request_generation_tokens_sum") == 7 and delta("vllm:request_params_max_tokens_sum") == 7
     # vLLM's 1-2-5 token buckets up to max_model_len (the fixture's 512): a 7-token answer lands in le=10
+    info = [dict(lab) for n, lab in after if n == "vllm:cache_config_info"]
+    assert len(info) == 1 and info[0]["block_size"] == "16" and info[0]["num_gpu_blocks"] == "512", info
+    assert info[0]["enable_prefix_caching"] == "True" and info[0]["engine"] == "0"
     les = sorted(float(dict(lab)["le"]) for n, lab in after if n == "vllm:request_generation_tokens_bucket")
     assert les == [1, 2, 5, 10, 20, 50, 100, 200, 500, float("inf")], les
     assert delta("vllm:request_generation_tokens_bucket", le="10.0") == 1
@@ -299,7 +302,7 @@ def test_metrics_move(client, http):
         assert any(n == name for n, _ in after), name
     # vLLM's names and labels: dashboards and autoscalers built for vLLM select on model_name and engine
     for (n, lab) in after:
-        if n.startswith(("vllm:", "pdserve_cudagraph")):
+        if n.startswith(("vllm:", "pdserve_cudagraph")) and n != "vllm:cache_config_info":  # vLLM's has none
             assert dict(lab).get("model_name") == "tiny" and dict(lab).get("engine") == "0", (n, lab)
 
 

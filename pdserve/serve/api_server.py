@@ -44,6 +44,7 @@ class ServerState:
         from transformers import AutoTokenizer
         self.cfg = cfg
         self.model_dir = engine_config.model.model
+        self.cache_config = engine_config.cache
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)
@@ -76,7 +77,8 @@ class ServerState:
                 server.should_exit = True
             return
         info = self.engine.info
-        self.metrics.engine_ready(info.max_model_len)
+        # EngineInfo counts the usable blocks; vLLM's num_gpu_blocks is the pool's, its null block included
+        self.metrics.engine_ready(info.max_model_len, self.cache_config, info.num_blocks + 1)
         self.serving = OpenAIServing(self.engine, ModelInfo(self.names, self.tokenizer, info.vocab_size,
                                                             info.max_model_len, self.generation_config,
                                                             info.has_kv_connector))

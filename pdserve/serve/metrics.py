@@ -12,9 +12,10 @@ snapshot the engine did not answer has no engine-level series (a frozen gauge wo
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -198,11 +199,16 @@ class ServerMetrics:
         self.inference = hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
                               "request.", _REQUEST_BUCKETS)
 
-    def engine_ready(self, max_model_len: int) -> None:
-        """The token-count histograms, whose buckets stop at max_model_len (known once the engine has started;
-        no request is admitted before)."""
+    def engine_ready(self, max_model_len: int, cache_config=None, num_gpu_blocks: int = 0) -> None:
+        """The token-count histograms, whose buckets stop at max_model_len, and vLLM's cache_config_info: known once
+        the engine has started (no request is admitted before)."""
         if self.req_prompt is not None:
             return
+        if cache_config is not None:  # as vLLM's: the config's fields as labels, on a gauge set to 1, no model_name
+            info = {k: str(v) for k, v in dataclasses.asdict(cache_config).items()}
+            info.update(num_gpu_blocks=str(num_gpu_blocks), engine=ENGINE)
+            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+                  registry=self.registry).labels(**info).set(1)
 
         def hist(name, doc):
             return Histogram(name, doc, LABELS, buckets=_1_2_5(max_model_len), registry=self.registry).labels(

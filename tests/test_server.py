@@ -283,6 +283,7 @@ def test_metrics_move(client, http):
     assert delta("vllm:request_prompt_tokens_sum") == delta("vllm:prompt_tokens_total")
     assert delta("vllm:request_generation_tokens_sum") == 7 and delta("vllm:request_params_max_tokens_sum") == 7
     # vLLM's 1-2-5 token buckets up to max_model_len (the fixture's 512): a 7-token answer lands in le=10
+    assert total(after, "process_resident_memory_bytes") > 0 and any(n == "python_info" for n, _ in after)
     info = [dict(lab) for n, lab in after if n == "vllm:cache_config_info"]
     assert len(info) == 1 and info[0]["block_size"] == "16" and info[0]["num_gpu_blocks"] == "512", info
     assert info[0]["enable_prefix_caching"] == "True" and info[0]["engine"] == "0"

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -158,6 +159,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector(model_name)
         self.registry.register(self.engine)
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: as vLLM's default registry
+            self.registry.register(c)
         lab, r, self._lab = LABELS, self.registry, [model_name, ENGINE]
 
         def hist(name, doc, buckets):

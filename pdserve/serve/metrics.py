@@ -159,7 +159,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector(model_name)
         self.registry.register(self.engine)
-        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: as vLLM's default registry
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: as vLLM's registry
             self.registry.register(c)
         lab, r, self._lab = LABELS, self.registry, [model_name, ENGINE]
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.serve.metrics import EngineCollector
-from pdserve.transfer import nixl_agent
+from pdserve.transfer import nixl_agent, tcp_pool
 from pdserve.transfer.nixl_agent import Transfer
 from pdserve.transfer.proof import sign_params
 from tests.server_harness import free_port
@@ -292,6 +292,9 @@ def test_p_killed_mid_read_recomputes_and_a_restarted_p_is_added(qwen3_tiny, col
         monkeypatch.undo()
         proc.join(5)
         proc, conn = spawn_p(port)
+        # The killed P reset the `done`s it had accepted while stopped, which reads as a refused handshake: D holds
+        # the address for tcp_pool.REFUSED_HOLD before it dials the new P (with 5 s, the new P's loads failed)
+        time.sleep(tcp_pool.REFUSED_HOLD)
         conn.send(PROMPTS[:3])
         assert tokens(decode_on(d, PROMPTS[:3], conn.recv())) == collocated[:3]
         assert dc.stats.bytes_received > received and len(dc.agent.peers) == 1

@@ -591,6 +591,7 @@ def test_tls_mismatch_fails_cleanly_and_recomputes(tls_p, certs, qwen3_tiny, col
     p = tls_p
     d = consumer(qwen3_tiny, **({"kv_tls_ca": certs[1][0]} if d_tls == "wrong_ca" else {}))
     params = prefill_on(p, PROMPTS[:4])
+    monkeypatch.setattr(tcp_pool, "REFUSED_HOLD", 60.0)  # the run below may take longer than the real hold
     dials, dial = [], tcp_pool.dial
     monkeypatch.setattr(tcp_pool, "dial", lambda *a, **kw: dials.append(a[:2]) or dial(*a, **kw))
     t0 = time.monotonic()

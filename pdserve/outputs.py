@@ -58,5 +58,5 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None  # P: where a decode node can read this request's prompt KV
-    num_external_tokens: int = 0  # prompt tokens whose KV came from elsewhere (a prefill node), not computed here
+    num_external_tokens: int = 0  # prompt tokens whose KV came from elsewhere (a prefill node), at its first token
     num_preemptions: int = 0

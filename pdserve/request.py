@@ -46,6 +46,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens a row computes as its prefill: the prompt; after a preemption every token it had then
+        self.prefill_len = len(self.prompt_token_ids)
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_external_tokens = 0  # prompt tokens whose KV was imported (P/D consumer, arrival driver)
         self.num_preemptions = 0

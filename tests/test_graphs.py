@@ -259,7 +259,6 @@ def test_cudagraph_metrics_tables_cover_whole_bursts(monkeypatch, caplog):
     assert len(tables) == 1 and "30 steps over 1.3 s" in tables[0] and tables[0].rstrip().endswith("30"), tables
 
 
-
 def test_resumed_preempted_request_is_labelled_prefill(qwen3_tiny):
     """A preempted request readmitted past its prompt (a prefix hit on its prompt blocks) recomputes its outputs:
     that step is a prefill, alone or mixed, never `non_uniform` (q = 1 here: no row can be a short decode)."""

@@ -253,9 +253,10 @@ def test_zz_client_abort_while_decode_waits_for_kv(dep):
         body = {"model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": 4, "stream": True,
                 "kv_transfer_params": params}
         with ThreadPoolExecutor(1) as pool:
-            sent = pool.submit(httpx.post, d2.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+            # the client gives up at 1.2 s, before D's question to P times out (kv_transfer_timeout 1.5 s)
+            sent = pool.submit(httpx.post, d2.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.2))
             # while D waits for P's answer the request is waiting, deferred (not for a seat or blocks)
-            deadline, m = time.monotonic() + 0.9, {}
+            deadline, m = time.monotonic() + 1.1, {}
             while not metric(m, "vllm:num_requests_waiting_by_reason", reason="deferred") and \
                     time.monotonic() < deadline:
                 m = metrics(d2.url)

@@ -124,7 +124,7 @@ def test_single_request_lifecycle():
     out = step(sched)
     assert [(row.request.request_id, row.num_computed_tokens, row.num_scheduled_tokens) for row in out.rows] == \
         [("a", 0, 6)]
-    assert out.samples == [True] and out.rows[0].prefill_len == 6
+    assert out.samples == [True] and out.rows[0].request.prefill_len == 6
     assert r.status == RequestStatus.RUNNING and r.output_token_ids == [TOK] and r.num_computed_tokens == 6
     assert r.num_cached_tokens == 0
     out = step(sched)

@@ -249,6 +249,8 @@ def test_disconnect_mid_stream_frees_blocks(server, http):
     after = metrics(http)
     assert total(after, "vllm:request_success_total", finished_reason="abort") == \
         total(before, "vllm:request_success_total", finished_reason="abort") + 1
+    for name in ("vllm:request_prompt_tokens_count", "vllm:request_num_preemptions_count"):  # as vLLM: no aborts
+        assert total(after, name) == total(before, name), name
     assert total(after, "vllm:num_requests_running") == 0
 
 
@@ -305,6 +307,22 @@ def test_metrics_move(client, http):
     for (n, lab) in after:
         if n.startswith(("vllm:", "pdserve_cudagraph")) and n != "vllm:cache_config_info":  # vLLM's has none
             assert dict(lab).get("model_name") == "tiny" and dict(lab).get("engine") == "0", (n, lab)
+
+
+def test_unset_max_tokens_is_observed_as_what_the_context_leaves(server, http):
+    """A chat request without max_tokens is observed with what the context leaves, as vLLM's server sets it (a
+    completion's default is 16, as OpenAI's)."""
+    before = metrics(http)
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "stop_token_ids": list(range(8192))}  # stops at its first token
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    after = metrics(http)
+    assert total(after, "vllm:request_params_max_tokens_count") - \
+        total(before, "vllm:request_params_max_tokens_count") == 1
+    assert total(after, "vllm:request_params_max_tokens_sum") - \
+        total(before, "vllm:request_params_max_tokens_sum") == MAX_MODEL_LEN - n_prompt
 
 
 def test_prefix_cache_hits_are_counted(client, http):

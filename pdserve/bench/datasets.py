@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -54,6 +55,9 @@ def _fit(tokenizer, ids: list[int], target: int, draw, keep: list[int] = ()) -> 
             break
         ids = (keep + draw(target - n) if enc[:n] != keep else enc[:target] if len(enc) > target
                else enc + draw(target - len(enc)))
+    else:  # never seen on the tokenizers tried; prompt_len still says what the prompt is
+        warnings.warn(f"a random prompt encodes to {len(enc)} tokens after {_TRIES} rounds, not {target}"
+                      + ("" if enc[:n] == keep else ", and does not start with the shared prefix"), stacklevel=2)
     return text, enc
 
 

@@ -43,13 +43,6 @@ class ScheduledRow:
     # Speculative decoding: the K scheduled tokens after the last known one (PLACEHOLDER_TOKEN_ID where the
     # proposer found none); their positions are scored too.
     draft_token_ids: Sequence[int] = _NO_DRAFTS
-    # Where the row's prefill ends (a field, not a property: the graph rule reads it per row every step): its
-    # prompt; after a preemption every known token but the last, since the readmission recomputes its outputs too.
-    prefill_len: int = 0
-
-    def __post_init__(self):
-        r = self.request  # a row past its prompt and not preempted has computed all but its last token anyway
-        self.prefill_len = max(len(r.prompt_token_ids), len(r.all_token_ids) - 1)
 
     @property
     def samples(self) -> bool:
@@ -222,6 +215,7 @@ class Scheduler(SchedulerPDMixin):
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.prefill_len = req.num_tokens  # the readmission recomputes the outputs too: a prefill, as vLLM's MRv2
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -35,7 +35,7 @@ class _RequestState:
     finished: bool = False
     prefill_time: float = 0.0  # the engine's, from the first token's timing (metrics: inference = prefill + decode)
     num_prompt_tokens: int = 0
-    max_tokens: Optional[int] = None  # the client's max_tokens (None: what the context leaves)
+    max_tokens: Optional[int] = None  # the client's max_tokens, else what the context leaves
     num_cached_tokens: int = 0  # local + external, from the first token's record
 
 
@@ -290,8 +290,9 @@ class AsyncEngine:
         A request id already in flight gets a suffix, so ids stay unique in the engine."""
         self.check_accepting()
         request_id = self.unique_id(request_id)
+        cap = getattr(params, "max_tokens", None)  # unset: what the context leaves, the default vLLM's server sets
         st = _RequestState(request_id, arrival, num_prompt_tokens=len(token_ids),
-                           max_tokens=getattr(params, "max_tokens", None))
+                           max_tokens=self.info.max_model_len - len(token_ids) if cap is None else cap)
         self._reqs[request_id] = st
         self._num_queued += 1
         self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params))

@@ -30,6 +30,8 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
+
+
 def _1_2_5(top: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to `top` (vLLM's build_1_2_5_buckets, for token counts)."""
     out, scale = [], 1
@@ -239,7 +241,7 @@ class ServerMetrics:
                 self.ttft.observe(max(t - state.arrival, 0.0))
                 self._prompt(rec)
                 state.num_cached_tokens = rec.num_cached_tokens + rec.num_external_tokens
-                self._step_tokens += rec.num_prompt_tokens - state.num_cached_tokens
+                self._step_tokens += max(rec.num_prompt_tokens - state.num_cached_tokens, 0)
                 if rec.timing:
                     self.queue.observe(rec.timing["queue"] + rec.timing["kv_transfer"])
                     self.prefill.observe(rec.timing["prefill"])
@@ -253,10 +255,12 @@ class ServerMetrics:
             counter.inc()
             self.e2e.observe(max(t - state.arrival, 0.0))
             total = state.num_tokens + n
-            self.req_preemptions.observe(rec.num_preemptions)
-            if self.req_prompt is not None:
+            if reason != "abort" and self.req_prompt is not None:  # vLLM's client aborts leave these out too
+                cached = state.num_cached_tokens if state.first_time is not None or n else \
+                    rec.num_cached_tokens + rec.num_external_tokens  # ended before a first token
+                self.req_preemptions.observe(rec.num_preemptions)
                 self.req_prompt.observe(state.num_prompt_tokens)
-                self.req_prefill_kv.observe(state.num_prompt_tokens - state.num_cached_tokens)
+                self.req_prefill_kv.observe(max(state.num_prompt_tokens - cached, 0))
                 self.req_generation.observe(total)
                 if state.max_tokens:
                     self.req_max_tokens.observe(state.max_tokens)
@@ -273,7 +277,7 @@ class ServerMetrics:
         prompt."""
         local, external = rec.num_cached_tokens, rec.num_external_tokens
         self.prompt_tokens.inc(rec.num_prompt_tokens)
-        self.prompt_by_source["local_compute"].inc(rec.num_prompt_tokens - local - external)
+        self.prompt_by_source["local_compute"].inc(max(rec.num_prompt_tokens - local - external, 0))
         self.prompt_by_source["local_cache_hit"].inc(local)
         self.prompt_by_source["external_kv_transfer"].inc(external)
         self.prompt_cached.inc(local + external)

@@ -63,7 +63,7 @@ class Classification:
 def classify(num_scheduled: Sequence[int], num_computed: Sequence[int], prefill_lens: Sequence[int], q: int,
              rule: Rule, is_pd_consumer: bool) -> Classification:
     """Graph eligibility of one step's rows (three parallel sequences). Pure: no engine state. A row's prefill_len
-    is its prompt's, or after a preemption every known token but the last (ScheduledRow.prefill_len)."""
+    is its prompt's, or after a preemption every token it had then (Request.prefill_len, as vLLM's MRv2)."""
     # Builtins over whole sequences (min/max/map run in C): this runs every step over up to max_num_seqs rows.
     if not num_scheduled:
         return Classification(False, None, "non_uniform")

@@ -23,7 +23,7 @@ from pdserve.worker.piecewise import PiecewiseRunner
 
 _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
 _COMPUTED = operator.attrgetter("num_computed_tokens")
-_PREFILL_LEN = operator.attrgetter("prefill_len")
+_PREFILL_LEN = operator.attrgetter("request.prefill_len")
 _DRAFTS = operator.attrgetter("draft_token_ids")
 
 

@@ -105,6 +105,7 @@ def test_router_ttft_breakdown(dep):
         return {st: metric(m, f"pdserve_router_ttft_seconds_{stat}", stage=st) for st in STAGES}
 
     counts, sums = hist("count"), hist("sum")
+    assert metric(router.url, "process_resident_memory_bytes") > 0  # the router process's own
     for stream in (False, True):
         assert complete(router.url, PROMPTS[3], stream=stream) == reference(dep, PROMPTS[3], 12)
     new_counts, new_sums = hist("count"), hist("sum")

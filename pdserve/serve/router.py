@@ -55,7 +55,7 @@ from typing import Optional
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from starlette.requests import ClientDisconnect
 
 from pdserve.serve.router_nodes import Fleet, Node, error_of
@@ -79,6 +79,8 @@ class Router(Fleet):
                  timeout: float = 600.0):
         super().__init__(prefill, decode, policy, health_interval, timeout)
         self.registry = CollectorRegistry()
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*, as a server's
+            self.registry.register(c)
         self.ttft = TtftSplit(self.registry)
         self._releases: set[asyncio.Task] = set()
 

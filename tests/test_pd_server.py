@@ -73,6 +73,8 @@ def test_prompt_tokens_by_source(deployment):
     names["all"], names["cached"] = ("vllm:prompt_tokens_total", {}), ("vllm:prompt_tokens_cached_total", {})
     names["kv_computed"] = ("vllm:request_prefill_kv_computed_tokens_sum", {})
     names["step_tokens"] = ("vllm:iteration_tokens_total_sum", {})
+    names["ext_queries"] = ("vllm:external_prefix_cache_queries_total", {})
+    names["ext_hits"] = ("vllm:external_prefix_cache_hits_total", {})
 
     def counts(node):
         m = metrics(node.url)
@@ -85,9 +87,9 @@ def test_prompt_tokens_by_source(deployment):
     d, p = ({k: v - before[n][k] for k, v in counts(n).items()} for n in (D, P))
     # D's steps: each replay computes 1 prompt token, then 3 tokens are generated; P's: 37 + its one token
     assert d == {"local_compute": 2, "local_cache_hit": 0, "external_kv_transfer": 72, "all": 74, "cached": 72,
-                 "kv_computed": 2, "step_tokens": 2 * (1 + 3)}, d
+                 "kv_computed": 2, "step_tokens": 2 * (1 + 3), "ext_queries": 74, "ext_hits": 72}, d
     assert p == {"local_compute": 74, "local_cache_hit": 0, "external_kv_transfer": 0, "all": 74, "cached": 0,
-                 "kv_computed": 74, "step_tokens": 2 * (37 + 1)}, p
+                 "kv_computed": 74, "step_tokens": 2 * (37 + 1), "ext_queries": 74, "ext_hits": 0}, p
     wait_pools_whole(P, D)
 
 

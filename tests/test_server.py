@@ -281,6 +281,7 @@ def test_metrics_move(client, http):
            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     assert sum(src.values()) == delta("vllm:prompt_tokens_total") and src["external_kv_transfer"] == 0, src
     assert delta("vllm:prompt_tokens_cached_total") == src["local_cache_hit"]
+    assert not any(n.startswith("vllm:external_prefix_cache") for n, _ in after)  # no KV connector here
     assert delta("vllm:request_prompt_tokens_count") == 1
     assert delta("vllm:request_prompt_tokens_sum") == delta("vllm:prompt_tokens_total")
     assert delta("vllm:request_generation_tokens_sum") == 7 and delta("vllm:request_params_max_tokens_sum") == 7

@@ -80,6 +80,7 @@ class Scheduler(SchedulerPDMixin):
         # vLLM's prefix-cache counters, in tokens: each admission from `waiting` (or load start) counts its tokens
         # once as queried and its cached prefix as hits; a head of the queue that waits for room is not recounted
         self.prefix_cache_queries = 0
+        self.external_prefix_cache_queries = self.external_prefix_cache_hits = 0  # with a KV connector, as vLLM's
         self.prefix_cache_hits = 0
         self.connector = connector
         self.load_failure_policy = load_failure_policy
@@ -159,7 +160,7 @@ class Scheduler(SchedulerPDMixin):
             load = self._start_remote_load(req, hits, num_hit)
             if load == "loading":
                 self.loading[self.waiting.popleft().request_id] = req
-                self._count_lookup(req, num_hit)
+                self._count_lookup(req, num_hit, req.num_prompt_tokens - 1 - num_hit)  # what the connector loads
                 continue
             left = req.num_tokens - num_hit
             # a preempted request whose prefix cache covers all but its last token resumes as a decode row
@@ -178,10 +179,15 @@ class Scheduler(SchedulerPDMixin):
             budget -= self._admit(req, hits, num_hit, min(num_new, budget), out)
         return out
 
-    def _count_lookup(self, req: Request, num_hit: int) -> None:
+    def _count_lookup(self, req: Request, num_hit: int, num_external: int = 0) -> None:
+        """At admission, once per admission (not per retry of a blocked head): local prefix-cache and, with a
+        connector, external (remote KV) queries and hits, in tokens."""
         if self.kv.pool.enable_caching:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_hit
+        if self.connector is not None:
+            self.external_prefix_cache_queries += req.num_tokens
+            self.external_prefix_cache_hits += num_external
 
     def _chunk(self, num_new: int) -> int:
         """A row's tokens to compute this step, capped at long_prefill_token_threshold (never a decode's one token:

@@ -177,6 +177,8 @@ class EngineCore:
                 "waiting_deferred": len(s.loading) + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,
+                "external_prefix_cache": (s.external_prefix_cache_queries, s.external_prefix_cache_hits)
+                if s.connector is not None else None,
                 "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}
 
     def _q_ping(self) -> bool:

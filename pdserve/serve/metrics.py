@@ -86,6 +86,12 @@ class EngineCollector:
                         "tokens.", s.get("prefix_cache_queries", 0))
         yield self._one(c, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                         s.get("prefix_cache_hits", 0))
+        ext = s.get("external_prefix_cache")
+        if ext is not None:
+            yield self._one(c, "vllm:external_prefix_cache_queries", "External prefix cache queries from KV "
+                            "connector cross-instance cache sharing, in terms of number of queried tokens.", ext[0])
+            yield self._one(c, "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
+                            "cross-instance cache sharing, in terms of number of cached tokens.", ext[1])
         graph = s["graph"]
         steps = c("pdserve_cudagraph_steps", "Engine steps by graph runtime mode (FULL, PIECEWISE, NONE) and the "
                   "reason a step was not FULL (none for FULL).", labels=LABELS + ["mode", "reason"])

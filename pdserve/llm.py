@@ -36,8 +36,11 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         # One output per request, at its end: no per-step copies of what it generated so far (vLLM's LLM does too).
         params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
-        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-        return self._run(ids, use_tqdm)
+        # n > 1: n requests "i_<id>" (vLLM's child ids), gathered into one output with n completions, by index
+        groups = [[self.engine.add_request(p, sp.child(i)).request_id for i in range(sp.n)] if sp.n > 1
+                  else [self.engine.add_request(p, sp).request_id] for p, sp in zip(prompts, params)]
+        done = self._run([rid for g in groups for rid in g], use_tqdm)
+        return [done[g[0]] if len(g) == 1 else _gather(g, done) for g in groups]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
@@ -50,7 +53,7 @@ class LLM:
         return self.generate([{"prompt_token_ids": tok(p, add_special_tokens=False).input_ids, "prompt": p}
                               for p in prompts], sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
@@ -70,7 +73,14 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [done[i] for i in ids]
+        return done
+
+
+def _gather(ids: list[str], done: dict[str, RequestOutput]) -> RequestOutput:
+    """One output for a request of n > 1: its first child's, with every child's completion at its index."""
+    first = done[ids[0]]
+    outs = [replace(done[rid].outputs[0], index=i) for i, rid in enumerate(ids)]
+    return replace(first, outputs=outs, finished=all(done[rid].finished for rid in ids))
 
 
 def _as_prompt_list(prompts) -> list:

@@ -68,8 +68,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (n > 1 is not supported), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
 
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
@@ -141,6 +141,12 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+
+    def child(self, index: int) -> "SamplingParams":
+        """Parallel sampling (n > 1) runs n requests of n = 1; as vLLM's, child i of a seeded request has seed +
+        i (wrapped into the 64-bit range), so the n samples differ and each is reproducible."""
+        seed = None if self.seed is None else (self.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
+        return replace(self.clone(), n=1, seed=seed)
 
     @classmethod
     def from_generation_config(cls, gen_cfg: Any, **overrides: Any) -> "SamplingParams":

@@ -225,3 +225,21 @@ def test_stop_token_text_left_out(llm):
             c = out.outputs[0]
             assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", target, base.token_ids[:first + 1])
             assert c.text == tok.decode(base.token_ids[:first + (1 if incl else 0)])
+
+
+def test_n_choices_offline_are_the_seeded_children(llm):
+    """LLM.generate with n = 3: one output per prompt with three completions by index, completion i the same as
+    an n = 1 request seeded seed + i (vLLM's); the engine itself takes n = 1 requests only."""
+    sp = SamplingParams(n=3, temperature=1.0, seed=2 ** 63 - 2, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["def f(x):", "import os"], sp, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 3] and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for i, seed in enumerate((2 ** 63 - 2, 2 ** 63 - 1, -2 ** 63)):  # seed + i wraps in the 64-bit range
+        one = llm.generate(["import os"], SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert one.outputs[0].token_ids == outs[1].outputs[i].token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    with pytest.raises(ValueError, match="n = 2"):
+        llm.engine.add_request("x", SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        SamplingParams(n=0)
+    assert llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1

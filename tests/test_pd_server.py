@@ -142,6 +142,24 @@ def test_forged_params_straight_to_d_get_400(deployment):
     assert r.status_code == 400
 
 
+def test_n_choices_through_the_router(deployment):
+    """n = 2 through the router: not served P/D, so the router sends it to D alone, which serves both choices
+    itself (after the graph-series test: D prefills here); sent straight to D with P/D params, n > 1 is a 400
+    naming n."""
+    body = {"model": "qwen3-tiny-s0", "prompt": "def g(y):", "n": 2, "max_tokens": 4, "temperature": 1.0,
+            "seed": 9}
+    p_served = metric(deployment["P"].url, "vllm:request_success_total")
+    r = httpx.post(deployment["R"].url + "/v1/completions", json=body, timeout=60)
+    assert metric(deployment["P"].url, "vllm:request_success_total") == p_served  # P was not asked
+    c = httpx.post(deployment["C"].url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and c.status_code == 200, (r.text, c.text)
+    assert [x["text"] for x in r.json()["choices"]] == [x["text"] for x in c.json()["choices"]]
+    d = httpx.post(deployment["D"].url + "/v1/completions", timeout=30,
+                   json={**body, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert d.status_code == 400 and d.json()["error"]["param"] == "n", d.text
+    wait_pools_whole(deployment["P"], deployment["D"])
+
+
 def test_zz_prefill_node_gone_requests_still_complete(deployment):
     """Last: P is killed; the router takes it out and sends requests to D alone, which prefills locally."""
     deployment["P"].kill()

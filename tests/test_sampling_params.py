@@ -14,7 +14,7 @@ def test_defaults_match_vllm():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("n", 0), ("n", "1"),
+    ("n", -1), ("n", 0), ("n", "1"),
     ("temperature", -1.0), ("temperature", "hot"), ("temperature", float("nan")), ("temperature", None),
     ("temperature", float("inf")), ("temperature", 10 ** 400), ("top_p", float("-inf")),
     ("repetition_penalty", float("inf")),
@@ -41,8 +41,11 @@ def test_invalid_values_name_the_field(field, value):
 def test_messages():
     with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1.0"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="not supported"):
-        SamplingParams(n=4)
+    with pytest.raises(ValueError, match="n must be at least 1, got 0"):
+        SamplingParams(n=0)
+    p = SamplingParams(n=4, seed=2 ** 63 - 1)
+    assert [p.child(i).seed for i in range(3)] == [2 ** 63 - 1, -2 ** 63, -2 ** 63 + 1] and p.child(2).n == 1
+    assert SamplingParams(n=2).child(1).seed is None
 
 
 def test_valid_edge_values():

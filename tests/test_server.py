@@ -228,6 +228,64 @@ def test_32_concurrent_streams(server):
         assert usage["completion_tokens"] == n and usage["total_tokens"] == usage["prompt_tokens"] + n
 
 
+def test_n_choices_are_the_seeded_children(server, http):
+    """n = 3: three choices by index, choice i the same as an n = 1 request seeded seed + i (vLLM's children); the
+    usage counts the prompt once and every choice; the stream carries the same texts, by index, [DONE] once."""
+    body = {"prompt": "def f(x):", "n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    texts = [c["text"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2] and len(set(texts)) > 1, texts
+    single = http.post("/v1/completions", json={**body, "n": 1, "seed": 12}).json()
+    assert single["choices"][0]["text"] == texts[1]
+    assert out["usage"]["completion_tokens"] == 18 and out["usage"]["prompt_tokens"] == \
+        single["usage"]["prompt_tokens"]
+    streamed, done, usage = ["", "", ""], 0, None
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as s:
+        for line in s.iter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    streamed[c["index"]] += c["text"]
+                usage = chunk.get("usage") or usage
+    assert streamed == texts and done == 1 and usage["completion_tokens"] == 18
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                   "max_tokens": 3, "temperature": 1.0, "seed": 5}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1] and all(c["message"]["role"] == "assistant"
+                                                                   for c in chat["choices"])
+    k = kv(http)
+    assert k["used_blocks"] == 0 and k["invariants_ok"], k
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_choices_client_gone_aborts_every_child(server, http, stream):
+    body = {"prompt": "while True:", "n": 4, "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    aborts = total(metrics(http), "vllm:request_success_total", finished_reason="abort")
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=httpx.Timeout(30, read=0.3)) as c:
+        if stream:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                got = 0
+                for line in r.iter_lines():
+                    got += line.startswith("data: ")
+                    if got >= 6:
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        k = kv(http)
+        if k["used_blocks"] == 0:
+            break
+        time.sleep(0.05)
+    assert k["used_blocks"] == 0 and k["invariants_ok"], k
+    assert total(metrics(http), "vllm:request_success_total", finished_reason="abort") == aborts + 4
+
+
 def test_disconnect_mid_stream_frees_blocks(server, http):
     before = metrics(http)
     body = {"prompt": "while True:", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -389,7 +447,8 @@ ERROR_CASES = [
     ("rep-penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, ["repetition_penalty"],
      "repetition_penalty"),
     ("max_tokens-zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
-    ("n", "/v1/completions", {"prompt": "x", "n": 2}, 400, ["n must be 1"], "n"),
+    ("n", "/v1/completions", {"prompt": "x", "n": 0}, 400, ["n must be at least 1"], "n"),
+    ("n-over-queue", "/v1/completions", {"prompt": "x", "n": 100000}, 400, ["n = 100000", "--max-waiting"], "n"),
     ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 2, 999999]}, 400, ["999999", "vocabulary"], "prompt"),
     ("token-negative", "/v1/completions", {"prompt": [5, -1]}, 400, ["-1", "vocabulary"], "prompt"),
     ("kv-transfer-params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,

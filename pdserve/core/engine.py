@@ -123,6 +123,8 @@ class LLMEngine(EnginePDMixin):
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None) -> Request:
         params = params or self.default_sampling_params()
+        if params.n != 1:  # one request is one sequence; LLM.generate and the server fan n out (params.child)
+            raise ValueError(f"n = {params.n}: the engine takes n = 1 requests; submit params.child(i) for i < n")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
         if kv_transfer_params is not None:

@@ -260,14 +260,15 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event loop -> engine
 
-    def check_accepting(self) -> None:
+    def check_accepting(self, n: int = 1) -> None:
+        """Raises the 503 unless `n` more requests may queue now."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down")
         if self.error is not None or (self.info is not None and not self.alive()):
             raise APIError(503, "the engine is not running")
         if self.info is None:
             raise APIError(503, "the engine is still starting up")
-        if self._num_queued >= self.max_waiting:
+        if self._num_queued + n > self.max_waiting:
             raise APIError(503, f"the server is overloaded: {self._num_queued} requests are already waiting "
                                 f"(--max-waiting {self.max_waiting}); retry later", headers={"Retry-After": "1"})
 
@@ -297,6 +298,11 @@ class AsyncEngine:
         self._num_queued += 1
         self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params))
         return st
+
+    def abort(self, st: _RequestState) -> None:
+        """Abort a submitted request nobody streams (its end still comes back as a record)."""
+        if not st.finished:
+            self._inbox.put(("abort", st.request_id))
 
     async def stream(self, st: _RequestState) -> AsyncIterator[list[TokenRecord]]:
         """Yield the request's records (in lists of those that arrived together) until the finished one.

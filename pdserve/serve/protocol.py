@@ -285,6 +285,9 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
     params = _sampling_params(req, max_tokens, logprobs, info)
+    if params.n > 1 and req.kv_transfer_params is not None:  # a P/D transfer carries one sequence's KV
+        raise bad_request(f"n: {params.n} choices are not served with kv_transfer_params (P/D); send n = 1 "
+                          "requests", "n")
     _check_context(len(ids), params, info, mt_name)
     opts = req.stream_options or StreamOptions()
     if req.stream_options is not None and not req.stream:

@@ -57,10 +57,15 @@ def chat_logprobs(entries: list, top_n: int) -> dict:
 
 
 class ResponseBuilder:
-    """Accumulates a request's records; renders the full response or the stream chunks."""
+    """Accumulates a request's records; renders the full response or the stream chunks. With n > 1 there is one
+    builder per choice (`index`), all sharing `siblings` (every choice's builder, in order), which the usage and
+    the full response cover."""
 
-    def __init__(self, greq: GenerationRequest, response_id: str, created: int):
+    def __init__(self, greq: GenerationRequest, response_id: str, created: int, index: int = 0,
+                 siblings: Optional[list["ResponseBuilder"]] = None):
         self.g = greq
+        self.index = index
+        self.siblings = siblings if siblings is not None else [self]
         self.id = response_id
         self.created = created
         self.object = "text_completion" if greq.kind == "completion" else "chat.completion"
@@ -93,7 +98,9 @@ class ResponseBuilder:
             self.rejected = rec.rejected
 
     def usage(self) -> dict:
-        return usage(len(self.g.prompt_token_ids), len(self.token_ids), self.num_cached)
+        """The prompt once, every choice's tokens (as vLLM's for n > 1)."""
+        return usage(len(self.g.prompt_token_ids), sum(len(b.token_ids) for b in self.siblings),
+                     max(b.num_cached for b in self.siblings))
 
     def _logprobs(self, entries: list):
         if self.g.params.logprobs is None:
@@ -106,25 +113,28 @@ class ResponseBuilder:
     # -------------------------------------------------------------- full response
 
     def full(self) -> dict:
-        text = self.g.echo + "".join(self.text_parts)
-        if self.g.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprob_entries),
-                      "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
-            if self.g.return_token_ids:
-                choice["prompt_token_ids"] = self.g.prompt_token_ids
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(self.logprob_entries), "finish_reason": self.finish_reason,
-                      "stop_reason": self.stop_reason}
-        if self.g.return_token_ids:
-            choice["token_ids"] = self.token_ids
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.g.model,
-                "choices": [choice], "usage": self.usage()}
+                "choices": [b.choice() for b in self.siblings], "usage": self.usage()}
         if self.g.return_token_ids and self.g.kind == "chat":
             body["prompt_token_ids"] = self.g.prompt_token_ids
         if self.kv_transfer_params is not None:
             body["kv_transfer_params"] = self.kv_transfer_params
         return body
+
+    def choice(self) -> dict:
+        text = self.g.echo + "".join(self.text_parts)
+        if self.g.kind == "completion":
+            choice = {"index": self.index, "text": text, "logprobs": self._logprobs(self.logprob_entries),
+                      "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+            if self.g.return_token_ids:
+                choice["prompt_token_ids"] = self.g.prompt_token_ids
+        else:
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(self.logprob_entries), "finish_reason": self.finish_reason,
+                      "stop_reason": self.stop_reason}
+        if self.g.return_token_ids:
+            choice["token_ids"] = self.token_ids
+        return choice
 
     # -------------------------------------------------------------- stream
 
@@ -138,14 +148,14 @@ class ResponseBuilder:
     def first_chunks(self) -> str:
         """What goes out before any token: the chat role (then the echoed last message), or the echoed prompt."""
         if self.g.kind == "chat":
-            out = sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}))
+            out = sse(self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}))
             if self.g.echo:
-                out += sse(self._chunk({"index": 0, "delta": {"content": self.g.echo}, "logprobs": None,
-                                        "finish_reason": None}))
+                out += sse(self._chunk({"index": self.index, "delta": {"content": self.g.echo},
+                                        "logprobs": None, "finish_reason": None}))
             return out
         if self.g.echo:
-            choice = {"index": 0, "text": self.g.echo, "logprobs": None, "finish_reason": None}
+            choice = {"index": self.index, "text": self.g.echo, "logprobs": None, "finish_reason": None}
             if self.g.return_token_ids:
                 choice["prompt_token_ids"] = self.g.prompt_token_ids
             return sse(self._chunk(choice))
@@ -166,9 +176,9 @@ class ResponseBuilder:
             return ""
         fr = last.finish_reason if last.finished else None
         if self.g.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(entries), "finish_reason": fr}
+            choice = {"index": self.index, "text": text, "logprobs": self._logprobs(entries), "finish_reason": fr}
         else:
-            choice = {"index": 0, "delta": {"content": text} if text or not last.finished else {},
+            choice = {"index": self.index, "delta": {"content": text} if text or not last.finished else {},
                       "logprobs": self._logprobs(entries), "finish_reason": fr}
         if last.finished:
             choice["stop_reason"] = last.stop_reason

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
+from pdserve.serve.parallel_sampling import create_n
 from pdserve.serve.protocol import ModelInfo, to_generation_request
 from pdserve.serve.responses import ResponseBuilder, sse
 from pdserve.serve.router_timing import KV_UNUSED_HEADER
@@ -76,6 +77,9 @@ class OpenAIServing:
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]
                 (logger.warning if noisy else logger.debug)("ignoring unknown field(s): %s",
                                                             ", ".join(greq.unknown_fields))
+            if greq.params.n > 1:
+                return await create_n(self.engine, greq, request, self.engine.unique_id(request_id), arrival,
+                                      "cmpl-" if kind == "completion" else "chatcmpl-", _unless_disconnected)
             st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
         except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now
             self.engine.release_remote_kv(request_id, data.get("kv_transfer_params"))

@@ -36,9 +36,17 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         # One output per request, at its end: no per-step copies of what it generated so far (vLLM's LLM does too).
         params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
-        # n > 1: n requests "i_<id>" (vLLM's child ids), gathered into one output with n completions, by index
-        groups = [[self.engine.add_request(p, sp.child(i)).request_id for i in range(sp.n)] if sp.n > 1
-                  else [self.engine.add_request(p, sp).request_id] for p, sp in zip(prompts, params)]
+        # n > 1: n requests (child i seeded seed + i), gathered into one output with n completions, by index
+        groups: list[list[str]] = []
+        try:
+            for p, sp in zip(prompts, params):
+                groups.append([])
+                for i in range(sp.n):
+                    groups[-1].append(self.engine.add_request(p, sp.child(i) if sp.n > 1 else sp).request_id)
+        except BaseException:  # a prompt refused: none of the batch stays in the engine
+            for rid in (r for g in groups for r in g):
+                self.engine.abort_request(rid)
+            raise
         done = self._run([rid for g in groups for rid in g], use_tqdm)
         return [done[g[0]] if len(g) == 1 else _gather(g, done) for g in groups]
 

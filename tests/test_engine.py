@@ -242,4 +242,7 @@ def test_n_choices_offline_are_the_seeded_children(llm):
         llm.engine.add_request("x", SamplingParams(n=2))
     with pytest.raises(ValueError, match="n must be at least 1"):
         SamplingParams(n=0)
+    with pytest.raises(ValueError):  # the second prompt is refused: nothing of the batch stays in the engine
+        llm.generate(["def f(x):", list(range(3, 600))], sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1

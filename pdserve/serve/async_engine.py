@@ -270,7 +270,8 @@ class AsyncEngine:
             raise APIError(503, "the engine is still starting up")
         if self._num_queued + n > self.max_waiting:
             raise APIError(503, f"the server is overloaded: {self._num_queued} requests are already waiting "
-                                f"(--max-waiting {self.max_waiting}); retry later", headers={"Retry-After": "1"})
+                                f"(--max-waiting {self.max_waiting})" + (f", no room for n = {n}" if n > 1 else "")
+                           + "; retry later", headers={"Retry-After": "1"})
 
     def unique_id(self, request_id: str) -> str:
         """Unique among requests in flight and the recently finished ones: a finished P/D request's id may still

@@ -25,6 +25,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
 from pdserve.serve.protocol import GenerationRequest
 from pdserve.serve.responses import ResponseBuilder, sse
+from pdserve.serve.router_timing import server_timing
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -94,7 +95,7 @@ async def create_n(engine: AsyncEngine, greq: GenerationRequest, request: Reques
     if failed is not None:
         raise APIError(500, f"the request failed: {failed.error or 'engine error'}")
     logger.info("finished: n=%d, %d tokens", len(builders), sum(len(b.token_ids) for b in builders))
-    return JSONResponse(builders[0].full())
+    return JSONResponse(builders[0].full(), headers=server_timing(builders[0].timing))
 
 
 async def _stream(gen, builders: list[ResponseBuilder]):

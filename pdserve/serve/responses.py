@@ -141,8 +141,8 @@ class ResponseBuilder:
     def _chunk(self, choice: dict) -> dict:
         obj = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.g.model,
                "choices": [choice]}
-        if self.g.continuous_usage:
-            obj["usage"] = self.usage()
+        if self.g.continuous_usage:  # this choice's tokens so far, as vLLM's (the final usage sums the choices)
+            obj["usage"] = usage(len(self.g.prompt_token_ids), len(self.token_ids), self.num_cached)
         return obj
 
     def first_chunks(self) -> str:
@@ -170,8 +170,10 @@ class ResponseBuilder:
         ids = [t for r in recs for t in r.new_token_ids]
         entries = [e for r in recs for e in (r.logprobs or ())]
         if last.finished and last.finish_reason == "error":
-            return sse({"error": {"message": last.error or "request failed", "type": "InternalServerError",
-                                  "param": None, "code": 500}})
+            err = {"message": last.error or "request failed", "type": "InternalServerError", "param": None, "code": 500}
+            if len(self.siblings) > 1:
+                err["index"] = self.index  # which choice failed (n > 1: the others go on)
+            return sse({"error": err})
         if not text and not last.finished and not entries and not self.g.return_token_ids:
             return ""
         fr = last.finish_reason if last.finished else None

@@ -1,5 +1,6 @@
-"""The router's TTFT split: each node's `Server-Timing` header and the router's own clock, per request, into
-`pdserve_router_ttft_seconds{stage}` (the stages are defined in pdserve/serve/router.py's docstring)."""
+"""The router's TTFT split: each node's `Server-Timing` header (written by `server_timing`, read by
+`parse_server_timing`) and the router's own clock, per request, into `pdserve_router_ttft_seconds{stage}` (the stages
+are defined in pdserve/serve/router.py's docstring)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -24,6 +25,17 @@ def parse_server_timing(header: Optional[str]) -> dict[str, float]:
                     out[name] = float(value) / 1000
                 except ValueError:
                     pass
+    return out
+
+
+def server_timing(timing: Optional[dict], kv_unused: bool = False) -> dict:
+    """A `Server-Timing` header (`name;dur=<ms>`, RFC's format) from the first token's engine timing
+    (engine_messages.timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it. With
+    `kv_unused` (D took none of P's KV, e.g. its KV link to P is broken, so D's own `done` may not reach P
+    either), KV_UNUSED_HEADER too: pdserve's router then releases P's lease over HTTP."""
+    out = {KV_UNUSED_HEADER: "1"} if kv_unused else {}
+    if timing:
+        out["Server-Timing"] = ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())
     return out
 
 

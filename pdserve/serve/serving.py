@@ -21,7 +21,7 @@ from pdserve.serve.errors import APIError
 from pdserve.serve.parallel_sampling import create_n
 from pdserve.serve.protocol import ModelInfo, to_generation_request
 from pdserve.serve.responses import ResponseBuilder, sse
-from pdserve.serve.router_timing import KV_UNUSED_HEADER
+from pdserve.serve.router_timing import server_timing
 
 logger = logging.getLogger("pdserve.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -47,17 +47,6 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def server_timing(timing: Optional[dict], kv_unused: bool = False) -> dict:
-    """A `Server-Timing` header (`name;dur=<ms>`, RFC's format) from the first token's engine timing
-    (engine_messages.timing: queue, kv_transfer, prefill, ttft): the router builds its TTFT split from it. With
-    `kv_unused` (D took none of P's KV, e.g. its KV link to P is broken, so D's own `done` may not reach P
-    either), KV_UNUSED_HEADER too: pdserve's router then releases P's lease over HTTP."""
-    out = {KV_UNUSED_HEADER: "1"} if kv_unused else {}
-    if timing:
-        out["Server-Timing"] = ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())
-    return out
 
 
 # SGLang-style fields vllm-router sets on every request it forwards (at their defaults unless a client set them).

@@ -271,27 +271,37 @@ def test_n_choices_are_the_seeded_children(server, http):
     assert k["used_blocks"] == 0 and k["invariants_ok"], k
 
 
+def cut_stream(server, body: dict, after: int) -> None:
+    """Read `after` SSE events, then close the connection mid-stream."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got >= after:
+                    break
+
+
+def wait_blocks_free(http, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        k = kv(http)
+        if k["used_blocks"] == 0 or time.monotonic() > deadline:
+            return k
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_n_choices_client_gone_aborts_every_child(server, http, stream):
     body = {"prompt": "while True:", "n": 4, "max_tokens": 400, "ignore_eos": True, "stream": stream}
     aborts = total(metrics(http), "vllm:request_success_total", finished_reason="abort")
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=httpx.Timeout(30, read=0.3)) as c:
-        if stream:
-            with c.stream("POST", "/v1/completions", json=body) as r:
-                got = 0
-                for line in r.iter_lines():
-                    got += line.startswith("data: ")
-                    if got >= 6:
-                        break
-        else:
+    if stream:
+        cut_stream(server, body, after=6)
+    else:
+        with httpx.Client(base_url=server.url, headers=server.headers, timeout=httpx.Timeout(30, read=0.3)) as c:
             with pytest.raises(httpx.ReadTimeout):
                 c.post("/v1/completions", json=body)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        k = kv(http)
-        if k["used_blocks"] == 0:
-            break
-        time.sleep(0.05)
+    k = wait_blocks_free(http)
     assert k["used_blocks"] == 0 and k["invariants_ok"], k
     assert total(metrics(http), "vllm:request_success_total", finished_reason="abort") == aborts + 4
 
@@ -299,20 +309,8 @@ def test_n_choices_client_gone_aborts_every_child(server, http, stream):
 def test_disconnect_mid_stream_frees_blocks(server, http):
     before = metrics(http)
     body = {"prompt": "while True:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            got = 0
-            for line in r.iter_lines():
-                got += line.startswith("data: ")
-                if got >= 3:
-                    break
-        # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        k = kv(http)
-        if k["used_blocks"] == 0:
-            break
-        time.sleep(0.05)
+    cut_stream(server, body, after=3)
+    k = wait_blocks_free(http)
     assert k["used_blocks"] == 0 and k["free_blocks"] == k["total_blocks"] and k["invariants_ok"], k
     after = metrics(http)
     assert total(after, "vllm:request_success_total", finished_reason="abort") == \

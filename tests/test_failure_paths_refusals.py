@@ -10,7 +10,9 @@ from tests.test_failure_paths_serving import BODY, pool_whole, server
 
 CASES = [
     ("completions", {"prompt": [5, "x"]}, "token ids must be integers"),
-    ("completions", {"prompt": [[5, 6], [7, 8]]}, "batched prompts"),
+    ("completions", {"prompt": [[5, 6], [7, "x"]]}, "prompt[1]: token ids must be integers"),
+    ("completions", {"prompt": ["ab", 7]}, "prompt[1]: must be a string or a list of token ids"),
+    ("completions", {"prompt": [[5, 6], []]}, "prompt[1] is empty"),
     ("completions", {"best_of": 2}, "best_of: only 1 is supported"),
     ("completions", {"echo": True, "logprobs": 1}, "echo together with logprobs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options: only allowed when stream is true"),

@@ -160,6 +160,23 @@ def test_n_choices_through_the_router(deployment):
     wait_pools_whole(deployment["P"], deployment["D"])
 
 
+def test_a_prompt_batch_through_the_router(deployment):
+    """A completions batch (a list of prompts) is not served P/D either: the router sends it to D alone, whose
+    choices equal collocated ones; sent straight to D with P/D params it is a 400 naming prompt."""
+    body = {"model": "qwen3-tiny-s0", "prompt": ["def g(y):", [5, 6, 7]], "max_tokens": 4, "temperature": 0.0}
+    p_served = metric(deployment["P"].url, "vllm:request_success_total")
+    r = httpx.post(deployment["R"].url + "/v1/completions", json=body, timeout=60)
+    assert metric(deployment["P"].url, "vllm:request_success_total") == p_served  # P was not asked
+    c = httpx.post(deployment["C"].url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and c.status_code == 200, (r.text, c.text)
+    assert [x["index"] for x in r.json()["choices"]] == [0, 1]
+    assert [x["text"] for x in r.json()["choices"]] == [x["text"] for x in c.json()["choices"]]
+    d = httpx.post(deployment["D"].url + "/v1/completions", timeout=30,
+                   json={**body, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert d.status_code == 400 and d.json()["error"]["param"] == "prompt", d.text
+    wait_pools_whole(deployment["P"], deployment["D"])
+
+
 def test_zz_prefill_node_gone_requests_still_complete(deployment):
     """Last: P is killed; the router takes it out and sends requests to D alone, which prefills locally."""
     deployment["P"].kill()

@@ -271,6 +271,44 @@ def test_n_choices_are_the_seeded_children(server, http):
     assert k["used_blocks"] == 0 and k["invariants_ok"], k
 
 
+def test_a_prompt_batch_is_one_request_per_prompt(server, http, llm):
+    """A completions batch (vLLM's list of prompts, text and token ids mixed here) with n = 2: choice j * n + i is
+    prompt j's child i, the same as that prompt sent alone with seed + i; greedy choices equal the offline engine;
+    usage counts each prompt once; echo starts each choice with its own prompt; the stream carries the same texts
+    by index and [DONE] once; a prompt too long is a 400 naming its index, and nothing of the batch runs."""
+    prompts = ["def f(x):", [5, 6, 7, 8, 9], "class A:"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    prompt_tokens = 0
+    for j, p in enumerate(prompts):
+        alone = http.post("/v1/completions", json={**body, "prompt": p, "n": 1, "seed": 4}).json()
+        assert out["choices"][2 * j + 1]["text"] == alone["choices"][0]["text"], j
+        prompt_tokens += alone["usage"]["prompt_tokens"]
+    assert out["usage"]["prompt_tokens"] == prompt_tokens and out["usage"]["completion_tokens"] == 30
+    greedy_body = {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0.0, "echo": True}
+    got = http.post("/v1/completions", json=greedy_body).json()["choices"]
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(6))]
+    assert [c["text"] for c in got] == [p + w for p, w in zip(PROMPTS, want)]
+    streamed, done = [""] * len(PROMPTS), 0
+    with http.stream("POST", "/v1/completions", json={**greedy_body, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: "):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] += c["text"]
+    assert streamed == [c["text"] for c in got] and done == 1
+    waiting = total(metrics(http), "vllm:request_success_total")
+    r = http.post("/v1/completions", json={**body, "prompt": ["x", [7] * MAX_MODEL_LEN]})
+    assert r.status_code == 400 and "prompt[1] has 512 tokens" in r.json()["error"]["message"], r.text
+    assert total(metrics(http), "vllm:request_success_total") == waiting
+    k = kv(http)
+    assert k["used_blocks"] == 0 and k["invariants_ok"], k
+
+
 def cut_stream(server, body: dict, after: int) -> None:
     """Read `after` SSE events, then close the connection mid-stream."""
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
@@ -291,9 +329,11 @@ def wait_blocks_free(http, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("prompt", ["while True:", ["while True:", [5, 6, 7]]], ids=["one-prompt", "batch"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_n_choices_client_gone_aborts_every_child(server, http, stream):
-    body = {"prompt": "while True:", "n": 4, "max_tokens": 400, "ignore_eos": True, "stream": stream}
+def test_n_choices_client_gone_aborts_every_child(server, http, stream, prompt):
+    n = 4 if isinstance(prompt, str) else 2
+    body = {"prompt": prompt, "n": n, "max_tokens": 400, "ignore_eos": True, "stream": stream}
     aborts = total(metrics(http), "vllm:request_success_total", finished_reason="abort")
     if stream:
         cut_stream(server, body, after=6)
@@ -457,6 +497,8 @@ ERROR_CASES = [
     ("max_tokens-zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
     ("n", "/v1/completions", {"prompt": "x", "n": 0}, 400, ["n must be at least 1"], "n"),
     ("n-over-queue", "/v1/completions", {"prompt": "x", "n": 100000}, 400, ["n = 100000", "--max-waiting"], "n"),
+    ("batch-over-queue", "/v1/completions", {"prompt": ["x", "y"], "n": 60000}, 400,
+     ["2 prompts x n = 60000 (120000 requests)", "--max-waiting"], "prompt"),
     ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 2, 999999]}, 400, ["999999", "vocabulary"], "prompt"),
     ("token-negative", "/v1/completions", {"prompt": [5, -1]}, 400, ["-1", "vocabulary"], "prompt"),
     ("kv-transfer-params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,

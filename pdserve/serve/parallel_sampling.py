@@ -1,14 +1,18 @@
-"""Parallel sampling (`n` > 1): one client request answered with n choices, as vLLM's server.
+"""Parallel sampling (`n` > 1) and batched completions prompts: one client request answered with several choices,
+as vLLM's server.
 
-1. The body is translated once; n engine requests `<i>_<request id>` are submitted with `params.child(i)` (n = 1,
-   a seeded request's child i seeded seed + i), after one check that the queue has room for all n (a 503 refuses
-   the whole request, never part of it; n above --max-waiting could never be admitted: a 400 naming `n`).
+1. The body is translated once, into one GenerationRequest per prompt (a completions `prompt` may be a list of
+   prompts); for prompt j, n engine requests are submitted with `params.child(i)` (n = 1, a seeded request's child
+   i seeded seed + i), named as vLLM's: `<i>_<request id>` for one prompt, `<request id>-<j>` for a batch with
+   n = 1, `<i>_<request id>-<j>` for both. One check comes first that the queue has room for them all (a 503
+   refuses the whole request, never part of it; more than --max-waiting could never be admitted: a 400 naming
+   `n`, or `prompt` for a batch).
 2. The children run as independent requests; the prefix cache shares their prompt blocks.
-3. Their records are merged as they arrive, each into the builder of its choice `index`: a full answer once all n
-   finished (any child's error is the answer's error), or one SSE stream whose chunks carry their choice's index,
-   the usage (the prompt once, every choice's tokens) and `[DONE]` once at the end.
+3. Their records are merged as they arrive, each into the builder of its choice, `index` = j * n + i: a full
+   answer once all finished (any child's error is the answer's error), or one SSE stream whose chunks carry their
+   choice's index, the usage (each prompt once, every choice's tokens) and `[DONE]` once at the end.
 4. The client going away, or any exit before the end, aborts every child that has not finished.
-P/D requests (kv_transfer_params) are n = 1 only: the protocol refuses n > 1 with them.
+P/D requests (kv_transfer_params) are one prompt and n = 1 only: the protocol refuses the rest with them.
 """
 from __future__ import annotations
 
@@ -51,16 +55,25 @@ async def merged(engine: AsyncEngine, states: list) -> AsyncIterator[tuple[int, 
             await g.aclose()
 
 
-def submit_children(engine: AsyncEngine, greq: GenerationRequest, request_id: str, arrival: float) -> list:
-    n = greq.params.n
-    if n > engine.max_waiting:
-        raise APIError(400, f"n = {n} is more than this server ever queues (--max-waiting {engine.max_waiting})",
-                       "n")
-    engine.check_accepting(n)
+def child_id(request_id: str, i: int, n: int, j: int, num_prompts: int) -> str:
+    rid = request_id if num_prompts == 1 else f"{request_id}-{j}"
+    return rid if n == 1 else f"{i}_{rid}"
+
+
+def submit_children(engine: AsyncEngine, greqs: list[GenerationRequest], request_id: str, arrival: float) -> list:
+    """Every choice's engine request, in choice order (j * n + i), or none of them."""
+    n, total = greqs[0].params.n, len(greqs) * greqs[0].params.n
+    if total > engine.max_waiting:
+        what = f"n = {n}" if len(greqs) == 1 else f"{len(greqs)} prompts x n = {n} ({total} requests)"
+        raise APIError(400, f"{what} is more than this server ever queues (--max-waiting {engine.max_waiting})",
+                       "n" if len(greqs) == 1 else "prompt")
+    engine.check_accepting(total)
     states = []
     try:
-        for i in range(n):
-            states.append(engine.submit(f"{i}_{request_id}", greq.prompt_token_ids, greq.params.child(i), arrival))
+        for j, greq in enumerate(greqs):
+            for i in range(n):
+                states.append(engine.submit(child_id(request_id, i, n, j, len(greqs)), greq.prompt_token_ids,
+                                            greq.params.child(i), arrival))
     except BaseException:  # none of a refused request stays in the engine
         for st in states:
             engine.abort(st)
@@ -68,14 +81,15 @@ def submit_children(engine: AsyncEngine, greq: GenerationRequest, request_id: st
     return states
 
 
-async def create_n(engine: AsyncEngine, greq: GenerationRequest, request: Request, request_id: str, arrival: float,
-                   prefix: str, until_disconnected) -> Response:
-    states = submit_children(engine, greq, request_id, arrival)
+async def create_n(engine: AsyncEngine, greqs: list[GenerationRequest], request: Request, request_id: str,
+                   arrival: float, prefix: str, until_disconnected) -> Response:
+    states = submit_children(engine, greqs, request_id, arrival)
+    greq, n = greqs[0], greqs[0].params.n
     builders: list[ResponseBuilder] = []
-    for i in range(greq.params.n):
-        builders.append(ResponseBuilder(greq, prefix + request_id, int(time.time()), i, builders))
-    logger.info("%s request: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", greq.kind,
-                len(greq.prompt_token_ids), greq.params.n, greq.params.max_tokens, greq.stream)
+    for k in range(len(states)):
+        builders.append(ResponseBuilder(greqs[k // n], prefix + request_id, int(time.time()), k, builders))
+    logger.info("%s request: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s", greq.kind,
+                len(greqs), sum(len(g.prompt_token_ids) for g in greqs), n, greq.params.max_tokens, greq.stream)
     gen = merged(engine, states)
     if greq.stream:
         return StreamingResponse(_stream(gen, builders), media_type="text/event-stream",

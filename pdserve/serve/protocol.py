@@ -161,19 +161,21 @@ def _check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
     return list(ids)
 
 
-def _completion_prompt(prompt: Any, info: ModelInfo) -> tuple[list[int], Optional[str]]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _completion_prompts(prompt: Any, info: ModelInfo) -> list[tuple[list[int], Optional[str]]]:
+    """(ids, text) per prompt: a string, a list of token ids, or a batch (a list of several of those), as vLLM's."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return [_one_prompt(p, info, f"prompt[{j}]") for j, p in enumerate(prompt)]
+    return [_one_prompt(prompt, info, "prompt")]
+
+
+def _one_prompt(prompt: Any, info: ModelInfo, where: str) -> tuple[list[int], Optional[str]]:
     if isinstance(prompt, str):
         return info.tokenizer(prompt, add_special_tokens=True).input_ids, prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        raise bad_request("prompt: batched prompts (a list of several prompts) are not supported; send one "
-                          "request per prompt", "prompt")
     if isinstance(prompt, list):
-        return _check_token_ids(prompt, info, "prompt"), None
+        return _check_token_ids(prompt, info, where), None
     if prompt is None:
         raise bad_request("prompt: field required", "prompt")
-    raise bad_request(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+    raise bad_request(f"{where}: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
 
 
 def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str, list[dict]]:
@@ -245,19 +247,21 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
     return params
 
 
-def _check_context(n_prompt: int, params: SamplingParams, info: ModelInfo, max_tokens_name: str) -> None:
+def _check_context(n_prompt: int, params: SamplingParams, info: ModelInfo, max_tokens_name: str,
+                   where: str = "prompt") -> None:
     if n_prompt == 0:
-        raise bad_request("prompt is empty", "prompt")
+        raise bad_request(f"{where} is empty", "prompt")
     if n_prompt >= info.max_model_len:
-        raise bad_request(f"the prompt has {n_prompt} tokens but the context length (max_model_len) is "
+        raise bad_request(f"the {where} has {n_prompt} tokens but the context length (max_model_len) is "
                           f"{info.max_model_len}", "prompt")
     if params.max_tokens is not None and n_prompt + params.max_tokens > info.max_model_len:
-        raise bad_request(f"the prompt ({n_prompt} tokens) plus {max_tokens_name} ({params.max_tokens}) is "
+        raise bad_request(f"the {where} ({n_prompt} tokens) plus {max_tokens_name} ({params.max_tokens}) is "
                           f"{n_prompt + params.max_tokens} tokens, over the context length (max_model_len "
                           f"{info.max_model_len})", max_tokens_name)
 
 
-def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationRequest:
+def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[GenerationRequest]:
+    """One GenerationRequest per prompt (several only for a completions batch), sharing one SamplingParams."""
     req = _validate(CompletionRequest if kind == "completion" else ChatRequest, data)
     model = _check_model(req, info)
     _unsupported(req)
@@ -265,17 +269,19 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
         raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
                           "config to take part in P/D)", "kv_transfer_params")
     if kind == "completion":
-        ids, text = _completion_prompt(req.prompt, info)
+        prompts = _completion_prompts(req.prompt, info)
         max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs = req.logprobs
         if req.echo and logprobs is not None:
             raise bad_request("echo: echo together with logprobs (prompt logprobs) is not supported", "echo")
-        echo = (text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
+        echoes = [(text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
+                  for ids, text in prompts]
     else:
         ids, text, conv = _chat_prompt(req, info)
+        prompts = [(ids, text)]
         # as vLLM: the answer's role is the assistant's, or the last message's when no generation prompt is added
         role = "assistant" if req.add_generation_prompt else conv[-1]["role"]
-        echo = conv[-1]["content"] if req.echo and conv[-1]["role"] == role else ""
+        echoes = [conv[-1]["content"] if req.echo and conv[-1]["role"] == role else ""]
         use_mct = req.max_completion_tokens is not None
         max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
         mt_name = "max_completion_tokens" if use_mct else "max_tokens"
@@ -285,14 +291,19 @@ def to_generation_request(kind: str, data: dict, info: ModelInfo) -> GenerationR
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
     params = _sampling_params(req, max_tokens, logprobs, info)
-    if params.n > 1 and req.kv_transfer_params is not None:  # a P/D transfer carries one sequence's KV
-        raise bad_request(f"n: {params.n} choices are not served with kv_transfer_params (P/D); send n = 1 "
-                          "requests", "n")
-    _check_context(len(ids), params, info, mt_name)
+    if req.kv_transfer_params is not None:  # a P/D transfer carries one sequence's KV
+        if params.n > 1:
+            raise bad_request(f"n: {params.n} choices are not served with kv_transfer_params (P/D); send n = 1 "
+                              "requests", "n")
+        if len(prompts) > 1:
+            raise bad_request(f"prompt: a batch of {len(prompts)} prompts is not served with kv_transfer_params "
+                              "(P/D); send one request per prompt", "prompt")
+    for j, (ids, _) in enumerate(prompts):
+        _check_context(len(ids), params, info, mt_name, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
     opts = req.stream_options or StreamOptions()
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     unknown = sorted(req.model_extra or {})
-    return GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
-                             opts.continuous_usage_stats, echo,
-                             bool(req.return_token_ids), unknown, req.kv_transfer_params)
+    return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
+                              opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
+                              req.kv_transfer_params) for (ids, text), echo in zip(prompts, echoes)]

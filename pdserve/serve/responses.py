@@ -57,9 +57,9 @@ def chat_logprobs(entries: list, top_n: int) -> dict:
 
 
 class ResponseBuilder:
-    """Accumulates a request's records; renders the full response or the stream chunks. With n > 1 there is one
-    builder per choice (`index`), all sharing `siblings` (every choice's builder, in order), which the usage and
-    the full response cover."""
+    """Accumulates a request's records; renders the full response or the stream chunks. With n > 1 or a batch of
+    prompts there is one builder per choice (`index`), all sharing `siblings` (every choice's builder, in order),
+    which the usage and the full response cover."""
 
     def __init__(self, greq: GenerationRequest, response_id: str, created: int, index: int = 0,
                  siblings: Optional[list["ResponseBuilder"]] = None):
@@ -98,9 +98,13 @@ class ResponseBuilder:
             self.rejected = rec.rejected
 
     def usage(self) -> dict:
-        """The prompt once, every choice's tokens (as vLLM's for n > 1)."""
-        return usage(len(self.g.prompt_token_ids), sum(len(b.token_ids) for b in self.siblings),
-                     max(b.num_cached for b in self.siblings))
+        """Each prompt once, every choice's tokens (as vLLM's for n > 1 and batches); the cached tokens of a prompt
+        are its choices' most (its children share its blocks), summed over the prompts."""
+        cached: dict[int, int] = {}
+        for b in self.siblings:
+            cached[id(b.g)] = max(cached.get(id(b.g), 0), b.num_cached)
+        prompts = {id(b.g): len(b.g.prompt_token_ids) for b in self.siblings}
+        return usage(sum(prompts.values()), sum(len(b.token_ids) for b in self.siblings), sum(cached.values()))
 
     def _logprobs(self, entries: list):
         if self.g.params.logprobs is None:

@@ -11,7 +11,8 @@ Lifecycle of a request:
    sends the request to D alone, which answers the same client errors (or serves it where P and D are
    configured differently); a one-token token-id
    prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
-   params and D prefills it), and so does a request for n > 1 choices (D samples them all from its prefill);
+   params and D prefills it), and so do a request for n > 1 choices and a completions batch of several prompts
+   (D prefills those itself);
 3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
    returned them, with P's own proof (D checks it; the router holds no KV token); a D that refuses the
    connection (down since the last health check) is taken out of rotation and the next D is tried; a P answer
@@ -176,20 +177,21 @@ class Router(Fleet):
             return error(503, why, "service_unavailable")
         t0 = time.monotonic()
         prompt = body.get("prompt")
-        # Straight to D, no P: a one-token prompt has no KV to import, and n > 1 choices are not served P/D (D
-        # samples them all from its own prefill)
+        # Straight to D, no P: a one-token prompt has no KV to import, and neither n > 1 choices nor a batch of
+        # prompts is served P/D (D prefills them itself)
         n = body.get("n")
-        one_token = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
-            (isinstance(n, int) and not isinstance(n, bool) and n > 1)
+        skip_p = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
+            (isinstance(n, int) and not isinstance(n, bool) and n > 1) or \
+            (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)))
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:
-            params, p_node, p_timing, err, p_refused = (None, None, {}, None, "") if one_token else \
+            params, p_node, p_timing, err, p_refused = (None, None, {}, None, "") if skip_p else \
                 await self._prefill(path, body, headers)
             if err is not None:
                 return err
             t_d = time.monotonic()
-            p_round_trip = None if one_token else t_d - t0
+            p_round_trip = None if skip_p else t_d - t0
             d_body = dict(body)
             if params:
                 d_body["kv_transfer_params"] = params  # verbatim: P's proof covers them

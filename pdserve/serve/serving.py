@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
 from pdserve.serve.parallel_sampling import create_n
-from pdserve.serve.protocol import ModelInfo, to_generation_request
+from pdserve.serve.protocol import ModelInfo, to_generation_requests
 from pdserve.serve.responses import ResponseBuilder, sse
 from pdserve.serve.router_timing import server_timing
 
@@ -61,13 +61,14 @@ class OpenAIServing:
 
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
         try:
-            greq = to_generation_request(kind, data, self.info)
+            greqs = to_generation_requests(kind, data, self.info)
+            greq = greqs[0]
             if greq.unknown_fields:  # what routers add to every request is no news: a debug line, not a warning
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]
                 (logger.warning if noisy else logger.debug)("ignoring unknown field(s): %s",
                                                             ", ".join(greq.unknown_fields))
-            if greq.params.n > 1:
-                return await create_n(self.engine, greq, request, self.engine.unique_id(request_id), arrival,
+            if greq.params.n > 1 or len(greqs) > 1:
+                return await create_n(self.engine, greqs, request, self.engine.unique_id(request_id), arrival,
                                       "cmpl-" if kind == "completion" else "chatcmpl-", _unless_disconnected)
             st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
         except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now

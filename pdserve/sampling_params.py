@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 # vLLM treats anything below this as temperature 0 (exact 0 would divide by zero).
 _SAMPLING_EPS = 1e-5
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-100, 100], as OpenAI documents
 # Keys vLLM copies from a model's generation_config.json into the default params.
 _GEN_CFG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -34,6 +35,24 @@ def _int(name: str, x: Any, allow_none: bool = False) -> Optional[int]:
     if not _is_int(x):
         raise ValueError(f"{name} must be an int{' or None' if allow_none else ''}, got {x!r}")
     return x
+
+
+def _logit_bias(bias: Any) -> Optional[dict[int, float]]:
+    """{token id: bias} with int keys (JSON's are strings), each bias clamped to [-100, 100]; empty is None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {type(bias).__name__}")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = k if _is_int(k) else int(k) if isinstance(k, str) else None
+        except ValueError:
+            tok = None
+        if tok is None or tok < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}"[:200])
+        out[tok] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, _float(f"logit_bias (token {k})", v)))
+    return out or None
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -64,6 +83,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (keys may be int strings)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -125,6 +145,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
 
+        self.logit_bias = _logit_bias(self.logit_bias)
+
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -140,7 +162,8 @@ class SamplingParams:
         return "random_seed" if self.seed is not None else "random"
 
     def clone(self) -> "SamplingParams":
-        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                       logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
 
     def child(self, index: int) -> "SamplingParams":
         """Parallel sampling (n > 1) runs n requests of n = 1; as vLLM's, child i of a seeded request has seed +

@@ -20,6 +20,8 @@ def ref_penalties(logits, r):
     if r.num_output_tokens < sp.min_tokens:
         banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
         x[banned] = float("-inf")
+    for t, b in (sp.logit_bias or {}).items():  # after the ban, before the penalties, as vLLM
+        x[t] += b
     if sp.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.all_token_ids)))
         v = x[seen]
@@ -51,7 +53,8 @@ def random_request(rng, i):
                         repetition_penalty=rng.choice([1.0, 1.1, 0.8]), presence_penalty=rng.choice([0.0, 0.5]),
                         frequency_penalty=rng.choice([0.0, -0.3]), min_tokens=rng.choice([0, 3]),
                         stop_token_ids=rng.choice([[], [5, 6]]), seed=rng.choice([None, 7 + i]), max_tokens=50,
-                        logprobs=rng.choice([None, 0, 3]))
+                        logprobs=rng.choice([None, 0, 3]),
+                        logit_bias=rng.choice([None, None, {3: 2.5, "7": -100, 11: 150.0, 5: 1}]))
     return Request(f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 20))], sp, frozenset({1}))
 
 

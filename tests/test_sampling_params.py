@@ -32,6 +32,9 @@ def test_defaults_match_vllm():
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("ignore_eos", 1), ("include_stop_str_in_output", "yes"), ("skip_special_tokens", None),
     ("spaces_between_special_tokens", 0),
+    ("logit_bias", [1, 2]), ("logit_bias", {"x": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"-3": 1.0}),
+    ("logit_bias", {1.0: 2.0}), ("logit_bias", {True: 2.0}), ("logit_bias", {5: "2"}), ("logit_bias", {5: None}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {5: float("inf")}),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -60,6 +63,16 @@ def test_valid_edge_values():
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
     assert SamplingParams(logprobs=20).logprobs == 20
     assert SamplingParams(max_tokens=5, min_tokens=5).min_tokens == 5
+
+
+def test_logit_bias_keys_are_ids_and_values_are_clamped_as_vllm():
+    p = SamplingParams(logit_bias={"5": 3, 7: -250.5, "11": 100.5, 0: 0.25})
+    assert p.logit_bias == {5: 3.0, 7: -100.0, 11: 100.0, 0: 0.25}
+    assert all(isinstance(v, float) for v in p.logit_bias.values())
+    assert SamplingParams(logit_bias={}).logit_bias is None and SamplingParams().logit_bias is None
+    q = p.clone()
+    q.logit_bias[5] = 0.0
+    assert p.logit_bias[5] == 3.0
 
 
 def test_sampling_type_and_greedy():

@@ -309,6 +309,27 @@ def test_a_prompt_batch_is_one_request_per_prompt(server, http, llm):
     assert k["used_blocks"] == 0 and k["invariants_ok"], k
 
 
+def test_logit_bias_steers_the_choice_as_offline(http, llm):
+    """logit_bias (OpenAI's and vLLM's: string token ids, clamped to [-100, 100]): +100 on one token makes greedy
+    pick it at every step; -100 on greedy's first pick makes it never picked, the output as the offline engine's
+    with the same bias; logprobs stay those of the raw model (vLLM's default)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    first = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"][0]
+    forced = http.post("/v1/completions", json={**body, "logit_bias": {"4321": 150}}).json()
+    assert forced["choices"][0]["token_ids"] == [4321] * 5, forced
+    banned = http.post("/v1/completions", json={**body, "logit_bias": {str(first): -100}, "logprobs": 1}).json()
+    ids = banned["choices"][0]["token_ids"]
+    want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                     logit_bias={first: -100.0}))[0].outputs[0]
+    assert first not in ids and ids == list(want.token_ids)
+    top = banned["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) == 2  # the sampled token and the raw model's own top one, which the bias banned
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                   "temperature": 0.0, "logit_bias": {"77": 100},
+                                                   "return_token_ids": True}).json()
+    assert chat["choices"][0]["token_ids"] == [77] * 3, chat
+
+
 def cut_stream(server, body: dict, after: int) -> None:
     """Read `after` SSE events, then close the connection mid-stream."""
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
@@ -500,6 +521,15 @@ ERROR_CASES = [
     ("batch-over-queue", "/v1/completions", {"prompt": ["x", "y"], "n": 60000}, 400,
      ["2 prompts x n = 60000 (120000 requests)", "--max-waiting"], "prompt"),
     ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 2, 999999]}, 400, ["999999", "vocabulary"], "prompt"),
+    ("logit-bias-key", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, ["logit_bias", "'abc'"],
+     "logit_bias"),
+    ("logit-bias-value", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "high"}}, 400,
+     ["logit_bias (token 5)", "finite number"], "logit_bias"),
+    ("logit-bias-out-of-vocab", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}}, 400, ["999999", "vocabulary"],
+     "logit_bias"),
+    ("logit-bias-not-object", "/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, ["logit_bias"],
+     "logit_bias"),
     ("token-negative", "/v1/completions", {"prompt": [5, -1]}, 400, ["-1", "vocabulary"], "prompt"),
     ("kv-transfer-params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,
      ["kv_transfer_params", "connector"], "kv_transfer_params"),

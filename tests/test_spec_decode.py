@@ -81,7 +81,8 @@ def test_rows_at_the_end_of_the_context(qwen3_tiny, max_model_len, block_size):
 
 
 PENALISED = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.4),
-             dict(min_tokens=10), dict(repetition_penalty=0.8, frequency_penalty=-0.3, min_tokens=5)]
+             dict(min_tokens=10), dict(repetition_penalty=0.8, frequency_penalty=-0.3, min_tokens=5),
+             dict(logit_bias={str(t): 4.0 for t in range(200, 260)} | {"11": -100})]
 
 
 def test_penalties_min_tokens_and_stops_match_plain(qwen3_tiny):
@@ -196,7 +197,8 @@ def test_drafting_rows_ride_full_graphs_and_metrics(qwen3_tiny):
 
 @pytest.mark.parametrize("sp", [dict(repetition_penalty=1.5), dict(frequency_penalty=0.9, presence_penalty=0.3),
                                 dict(min_tokens=5), dict(repetition_penalty=0.7, frequency_penalty=-0.4,
-                                                         presence_penalty=0.2, min_tokens=4, stop_token_ids=[9])])
+                                                         presence_penalty=0.2, min_tokens=4, stop_token_ids=[9]),
+                                dict(repetition_penalty=1.5, logit_bias={3: 2.0, 7: -1.5})])
 def test_each_position_is_penalised_as_if_its_drafts_were_emitted(sp):
     """Exact: position j of a drafting row gets the logits the plain sampler gives a request whose output already
     ends with drafts 0..j-1 (counts, presence, seen ids, min_tokens), placeholders never counted."""

@@ -143,9 +143,11 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], pos: list[int],
                          extras: Optional[list[list[int]]] = None) -> torch.Tensor:
-        """Penalties and min_tokens masking at rows `pos` of `logits`, row pos[i] for reqs[i]; `extras[i]`: tokens
-        taken as already emitted at that row (a speculative position's earlier drafts; never placeholders)."""
+        """min_tokens masking, logit bias, then penalties (vLLM's order) at rows `pos` of `logits`, row pos[i] for
+        reqs[i]; `extras[i]`: tokens taken as already emitted at that row (a speculative position's earlier drafts;
+        never placeholders)."""
         ban_rows, ban_ids = [], []
+        biased = []
         counted, counted_pos, counted_extra = [], [], []
         for j, (i, r) in enumerate(zip(pos, reqs)):
             sp = r.sampling_params
@@ -154,6 +156,8 @@ class Sampler:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 ban_rows += [i] * len(banned)
                 ban_ids += banned
+            if sp.logit_bias is not None:
+                biased.append((i, sp.logit_bias))
             if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
                 if r.token_counts is None:
                     r.token_counts = TokenCounts(r)
@@ -163,6 +167,8 @@ class Sampler:
                 counted_extra.append(extra)
         if ban_rows:
             logits[ban_rows, ban_ids] = float("-inf")
+        if biased:
+            self._add_bias(logits, biased)
         if counted:
             views = [r.token_counts.with_extra(e) for r, e in zip(counted, counted_extra)]
             sps = [r.sampling_params for r in counted]
@@ -171,6 +177,21 @@ class Sampler:
             self._penalise(logits, counted_pos, [v[1] for v in views], [v[2] for v in views],
                            [sp.frequency_penalty for sp in sps], [sp.presence_penalty for sp in sps])
         return logits
+
+    @staticmethod
+    def _add_bias(logits, biased: list[tuple[int, dict]]) -> None:
+        """Each (row, {id: bias}) added at its ids, all rows in one gather and one scatter (ids are unique within a
+        row, so a plain indexed add is exact)."""
+        rows = np.repeat(np.asarray([i for i, _ in biased], np.int64), [len(b) for _, b in biased])
+        ids = np.fromiter((t for _, b in biased for t in b), np.int64, len(rows))
+        vals = np.fromiter((v for _, b in biased for v in b.values()), np.float64, len(rows))
+        if logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype in (torch.float32, torch.float64):
+            x = logits.numpy().reshape(-1)
+            x[rows * logits.shape[1] + ids] += vals.astype(x.dtype)
+            return
+        dev = logits.device
+        logits[torch.from_numpy(rows).to(dev), torch.from_numpy(ids).to(dev)] += \
+            torch.from_numpy(vals).to(dev, logits.dtype)
 
     @staticmethod
     def _penalise(logits, rows, ids, counts, a, b) -> None:
@@ -225,8 +246,9 @@ class Sampler:
 
 
 def penalised(req: Request, sp) -> bool:
+    """Whether a row's logits change before sampling: min_tokens, a logit bias or a penalty."""
     return req.num_output_tokens < sp.min_tokens or sp.repetition_penalty != 1.0 or bool(
-        sp.presence_penalty or sp.frequency_penalty)
+        sp.presence_penalty or sp.frequency_penalty) or sp.logit_bias is not None
 
 
 def logprobs_of(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:

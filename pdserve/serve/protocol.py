@@ -19,7 +19,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-a
 # Request fields passed to SamplingParams as they are (when the client set them).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n")
+                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n",
+                    "logit_bias")
 _SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_completion_tokens", "top_logprobs"}
 
 
@@ -216,8 +217,6 @@ def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str, lis
 def _unsupported(req: _Common) -> None:
     if req.best_of not in (None, 1):
         raise bad_request("best_of: only 1 is supported", "best_of")
-    if req.logit_bias:
-        raise bad_request("logit_bias: not supported", "logit_bias")
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs: not supported", "prompt_logprobs")
     if isinstance(req, CompletionRequest) and req.suffix:
@@ -244,6 +243,7 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
         word = msg.split(" ", 1)[0]
         raise bad_request(msg, word if word in _SAMPLING_NAMES else None) from None
     _check_token_ids(params.stop_token_ids, info, "stop_token_ids")
+    _check_token_ids(list(params.logit_bias or ()), info, "logit_bias")
     return params
 
 

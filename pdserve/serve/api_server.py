@@ -1,12 +1,12 @@
 """`pdserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an AsyncEngine.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics, the P/D routes of
-`kv_routes.py` (/v1/kv/release, /v1/kv/probe) and, with --enable-debug-routes, /debug/kv. The engine is built in the
-background after the socket is open, so /health answers 503 until start-up is done. SIGTERM/SIGINT: stop
-accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the rest; a P/D producer then
-serves its open KV leases until decode nodes confirm them or they expire, within the same timeout; stop the engine
-loop, exit 0. An engine that dies (its loop raised, its process was killed) fails the requests in flight with an
-error, and the server exits 1, as vLLM's does, so that its supervisor restarts it.
+Routes: /v1/completions, /v1/chat/completions, /tokenize and /detokenize (`tokenize.py`), /v1/models, /health,
+/version, /metrics, the P/D routes of `kv_routes.py` (/v1/kv/release, /v1/kv/probe) and, with --enable-debug-routes,
+/debug/kv. The engine is built in the background after the socket is open, so /health answers 503 until start-up is
+done. SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the
+rest; a P/D producer then serves its open KV leases until decode nodes confirm them or they expire, within the same
+timeout; stop the engine loop, exit 0. An engine that dies (its loop raised, its process was killed) fails the
+requests in flight with an error, and the server exits 1, as vLLM's does, so that its supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from pdserve.serve.protocol import ModelInfo, parse_json_body
 from pdserve.serve.request_context import RequestContextMiddleware, configure_logging
 from pdserve.serve.server_config import ServerConfig
 from pdserve.serve.serving import OpenAIServing
+from pdserve.serve.tokenize import add_tokenize_routes
 
 logger = logging.getLogger("pdserve.serve")
 _DRAIN_SLACK = 2 ** 20 * 8  # bytes of an oversized body still read (and dropped) so the client sees the 413
@@ -191,6 +192,8 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     add_kv_routes(app, state, read_json)
+    add_tokenize_routes(app, lambda: serving().info, lambda r: read_json(r, state.cfg.max_body_bytes),
+                        [Depends(check_auth)])
 
     if state.cfg.enable_debug_routes:
         @app.get("/debug/kv")

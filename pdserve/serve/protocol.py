@@ -179,7 +179,8 @@ def _one_prompt(prompt: Any, info: ModelInfo, where: str) -> tuple[list[int], Op
     raise bad_request(f"{where}: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
 
 
-def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str, list[dict]]:
+def _chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple[list[int], str, list[dict]]:
+    """`req`: a ChatRequest, or /tokenize's chat form (which has the same rendering fields), so both count alike."""
     msgs = req.messages
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
@@ -211,7 +212,7 @@ def _chat_prompt(req: ChatRequest, info: ModelInfo) -> tuple[list[int], str, lis
             continue_final_message=bool(req.continue_final_message), **kwargs)
     except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-    return info.tokenizer(text, add_special_tokens=False).input_ids, text, conv
+    return info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text, conv
 
 
 def _unsupported(req: _Common) -> None:

@@ -60,3 +60,6 @@ class RequestOutput:
     kv_transfer_params: Optional[dict] = None  # P: where a decode node can read this request's prompt KV
     num_external_tokens: int = 0  # prompt tokens whose KV came from elsewhere (a prefill node), at its first token
     num_preemptions: int = 0
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {id: Logprob} per token; in a DELTA
+    # request's first output with a token only (vLLM's), in every output once there is one otherwise
+    prompt_logprobs: Optional[list] = None

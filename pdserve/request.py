@@ -58,6 +58,9 @@ class Request:
         self.draft_buffer = None  # the n-gram proposer's mirror of all_token_ids, made on first use
         self.num_new_tokens = 0  # tokens the last step appended (a drafting row may append several)
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
+        # with sampling_params.prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
+        # {id: Logprob} as the prefill computes them (the model runner appends; a recompute skips what is here)
+        self.prompt_logprobs: Optional[list] = None if sampling_params.prompt_logprobs is None else [None]
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)
         self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV

@@ -77,6 +77,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-N; 0 = only the sampled token's logprob
+    prompt_logprobs: Optional[int] = None  # top-N of each prompt token after the first; 0 = its own logprob only
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -135,6 +136,9 @@ class SamplingParams:
         self.logprobs = _int("logprobs", self.logprobs, allow_none=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs}")
+        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}] or None, got {self.prompt_logprobs}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             v = _float(name, getattr(self, name))

@@ -14,11 +14,12 @@ CASES = [
     ("completions", {"prompt": ["ab", 7]}, "prompt[1]: must be a string or a list of token ids"),
     ("completions", {"prompt": [[5, 6], []]}, "prompt[1] is empty"),
     ("completions", {"best_of": 2}, "best_of: only 1 is supported"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo together with logprobs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options: only allowed when stream is true"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format: only type 'text'"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs: not supported"),  # was dropped: a 200 without them
-    ("chat/completions", {"prompt_logprobs": 0}, "prompt_logprobs: not supported"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
+    ("chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20]"),
+    ("completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs: not available when stream is true"),
+    ("completions", {"prompt_logprobs": "2"}, "prompt_logprobs"),
     ("chat/completions", {"echo": "sometimes"}, "echo"),  # was never read as a field: any value turned it on
 ]
 

@@ -160,20 +160,24 @@ def test_n_choices_through_the_router(deployment):
     wait_pools_whole(deployment["P"], deployment["D"])
 
 
-def test_a_prompt_batch_through_the_router(deployment):
-    """A completions batch (a list of prompts) is not served P/D either: the router sends it to D alone, whose
-    choices equal collocated ones; sent straight to D with P/D params it is a 400 naming prompt."""
-    body = {"model": "qwen3-tiny-s0", "prompt": ["def g(y):", [5, 6, 7]], "max_tokens": 4, "temperature": 0.0}
+@pytest.mark.parametrize("fields,param", [({"prompt": ["def g(y):", [5, 6, 7]]}, "prompt"),
+                                          ({"prompt": "def g(y):", "echo": True, "logprobs": 1}, "prompt_logprobs"),
+                                          ({"prompt": "def g(y):", "prompt_logprobs": 0}, "prompt_logprobs")],
+                         ids=["batch", "echo-logprobs", "prompt-logprobs"])
+def test_a_prompt_batch_or_prompt_logprobs_through_the_router(deployment, fields, param):
+    """A completions batch (a list of prompts) and prompt logprobs (echo with logprobs too) are not served P/D
+    either: the router sends them to D alone, whose choices equal collocated ones; sent straight to D with P/D
+    params they are a 400 naming the field."""
+    body = {"model": "qwen3-tiny-s0", "max_tokens": 4, "temperature": 0.0, **fields}
     p_served = metric(deployment["P"].url, "vllm:request_success_total")
     r = httpx.post(deployment["R"].url + "/v1/completions", json=body, timeout=60)
     assert metric(deployment["P"].url, "vllm:request_success_total") == p_served  # P was not asked
     c = httpx.post(deployment["C"].url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and c.status_code == 200, (r.text, c.text)
-    assert [x["index"] for x in r.json()["choices"]] == [0, 1]
-    assert [x["text"] for x in r.json()["choices"]] == [x["text"] for x in c.json()["choices"]]
+    assert r.json()["choices"] == c.json()["choices"]
     d = httpx.post(deployment["D"].url + "/v1/completions", timeout=30,
                    json={**body, "kv_transfer_params": {"do_remote_prefill": True}})
-    assert d.status_code == 400 and d.json()["error"]["param"] == "prompt", d.text
+    assert d.status_code == 400 and d.json()["error"]["param"] == param, d.text
     wait_pools_whole(deployment["P"], deployment["D"])
 
 

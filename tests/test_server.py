@@ -330,6 +330,52 @@ def test_logit_bias_steers_the_choice_as_offline(http, llm):
     assert chat["choices"][0]["token_ids"] == [77] * 3, chat
 
 
+def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
+    """prompt_logprobs: the choice's `prompt_logprobs` (null, then {id: {logprob, rank, decoded_token}} per prompt
+    token) equal the offline engine's; echo with logprobs (lm-eval's loglikelihood request: a batch, max_tokens 1)
+    leads the legacy logprobs with the prompt's tokens, the first without a logprob; streamed, the prompt and its
+    logprobs come with the first token; chat answers them at the top level; a repeat is computed again, not cached."""
+    prompt = PROMPTS[1]
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))[0]
+    n_prompt = len(want.prompt_token_ids)
+    for _ in range(2):
+        out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+                                                 "prompt_logprobs": 2}).json()
+        plp = out["choices"][0]["prompt_logprobs"]
+        assert len(plp) == n_prompt and plp[0] is None and "prompt_tokens_details" not in out["usage"], out
+        for k in range(1, n_prompt):
+            tok = want.prompt_token_ids[k]
+            got = plp[k][str(tok)]
+            assert abs(got["logprob"] - want.prompt_logprobs[k][tok].logprob) < 1e-5
+            assert got["rank"] == want.prompt_logprobs[k][tok].rank and len(plp[k]) in (2, 3)
+            assert got["decoded_token"] == want.prompt_logprobs[k][tok].decoded_token
+        assert out["choices"][0]["logprobs"] is None
+    body = {"prompt": [prompt, PROMPTS[2]], "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1}
+    full = http.post("/v1/completions", json=body).json()["choices"]
+    c = full[0]
+    lp = c["logprobs"]
+    assert c["text"].startswith(prompt) and len(lp["tokens"]) == n_prompt + 1 == len(lp["token_logprobs"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == c["text"] and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert all(abs(lp["token_logprobs"][k] - want.prompt_logprobs[k][want.prompt_token_ids[k]].logprob) < 1e-5
+               for k in range(1, n_prompt))
+    assert full[1]["text"].startswith(PROMPTS[2]) and full[1]["logprobs"]["token_logprobs"][0] is None
+    chunks = []
+    with http.stream("POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}) as st:
+        for line in st.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    assert "".join(ch["text"] for ch in chunks) == c["text"] and chunks[0]["text"] == c["text"]
+    assert chunks[0]["logprobs"] == lp
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # 0: the prompt token's own only
+    k = kv(http)
+    assert k["used_blocks"] == 0 and k["invariants_ok"], k
+
+
 def cut_stream(server, body: dict, after: int) -> None:
     """Read `after` SSE events, then close the connection mid-stream."""
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:

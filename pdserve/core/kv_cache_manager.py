@@ -50,10 +50,13 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks. It never covers the last token: that token's logits are needed."""
+        """Longest cached prefix of full blocks. It never covers the last token: that token's logits are needed.
+        A request asking for prompt logprobs takes no hit (as vLLM's): every prompt position must be computed."""
         if not self.pool.enable_caching:
             return [], 0
         self._update_hashes(req)
+        if req.prompt_logprobs is not None:
+            return [], 0
         hits = []
         for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
             b = self.pool.lookup(h)

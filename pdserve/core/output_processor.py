@@ -100,13 +100,13 @@ class OutputProcessor:
         if req.sampling_params.logprobs is not None:
             logprobs = req.logprobs if cumulative else req.logprobs[len(req.logprobs) - len(new_ids):]
             fresh = logprobs if kind == RequestOutputKind.FINAL_ONLY else logprobs[len(logprobs) - len(new_ids):]
-            texts = self._token_texts
-            for entry in fresh:
-                for tok, lp in entry.items():
-                    text = texts.get(tok)
-                    if text is None:
-                        text = texts[tok] = self._decode_one(tok)
-                    lp.decoded_token = text
+            self._decode_entries(fresh)
+        prompt_lps = None
+        if req.prompt_logprobs is not None and req.num_output_tokens and (
+                cumulative or req.num_output_tokens == len(new_ids)):
+            prompt_lps = req.prompt_logprobs
+            if len(prompt_lps) > 1 and next(iter(prompt_lps[-1].values())).decoded_token is None:  # first time out
+                self._decode_entries(prompt_lps[1:])
         metrics = req.metrics
         if finished:
             metrics.finished_time = time.monotonic()
@@ -115,4 +115,14 @@ class OutputProcessor:
                                 req.status.finish_reason, req.stop_reason, delta, new_ids)
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_token_ids, [comp], finished,
                              max(req.num_cached_tokens, 0), metrics, req.error, req.kv_transfer_params_out,
-                             req.num_external_tokens, req.num_preemptions)
+                             req.num_external_tokens, req.num_preemptions, prompt_lps)
+
+    def _decode_entries(self, entries: list) -> None:
+        """Each logprob entry's token texts (one decode per distinct id, cached)."""
+        texts = self._token_texts
+        for entry in entries:
+            for tok, lp in entry.items():
+                text = texts.get(tok)
+                if text is None:
+                    text = texts[tok] = self._decode_one(tok)
+                lp.decoded_token = text

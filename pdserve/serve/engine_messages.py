@@ -25,6 +25,8 @@ class TokenRecord:
     kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
     num_external_tokens: int = 0  # prompt tokens imported from a prefill node (or the arrival driver)
     num_preemptions: int = 0  # on the finished record
+    # with the first token, when asked: per prompt token its entry as in `logprobs`, None for the first token
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass
@@ -61,13 +63,19 @@ def record(out) -> TokenRecord:
     first = bool(c.delta_token_ids) and m is not None and m.first_token_time == m.last_token_time
     lps = None
     if c.logprobs is not None and c.delta_token_ids:
-        lps = []
-        for tok, entry in zip(c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):]):
-            chosen = entry[tok]
-            rest = [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items() if t != tok]
-            lps.append([(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2]))
+        lps = [_entry(tok, entry) for tok, entry in zip(c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):])]
+    plps = None
+    if out.prompt_logprobs is not None:
+        plps = [None] + [_entry(tok, e) for tok, e in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
                        getattr(out, "kv_transfer_params", None), timing=timing(out.metrics) if first else None,
                        kv_unused=first and out.metrics.kv_unused, num_external_tokens=out.num_external_tokens,
-                       num_preemptions=out.num_preemptions)
+                       num_preemptions=out.num_preemptions, prompt_logprobs=plps)
+
+
+def _entry(tok: int, entry: dict) -> list:
+    """[(token id, logprob, rank, text), ...]: the token itself first, then the rest by rank."""
+    chosen = entry[tok]
+    rest = [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items() if t != tok]
+    return [(tok, chosen.logprob, chosen.rank, chosen.decoded_token)] + sorted(rest, key=lambda r: r[2])

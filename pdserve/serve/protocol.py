@@ -59,7 +59,7 @@ class _Common(_Strict):
     logit_bias: Optional[dict] = None
     kv_transfer_params: Optional[dict] = None
     return_token_ids: Optional[bool] = False  # vLLM: token ids in the choices and the prompt's in the response
-    prompt_logprobs: Optional[int] = None  # vLLM's; refused (not computed), not dropped
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and top N
 
 
 class CompletionRequest(_Common):
@@ -109,6 +109,7 @@ class GenerationRequest:
     return_token_ids: bool
     unknown_fields: list[str]
     kv_transfer_params: Optional[dict] = None
+    prompt_first_text: Optional[str] = None  # completions echo with logprobs: the first prompt token's text
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -218,8 +219,6 @@ def _chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tupl
 def _unsupported(req: _Common) -> None:
     if req.best_of not in (None, 1):
         raise bad_request("best_of: only 1 is supported", "best_of")
-    if req.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs: not supported", "prompt_logprobs")
     if isinstance(req, CompletionRequest) and req.suffix:
         raise bad_request("suffix: not supported", "suffix")
     if isinstance(req, ChatRequest):
@@ -231,11 +230,12 @@ def _unsupported(req: _Common) -> None:
 
 
 def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional[int],
-                     info: ModelInfo) -> SamplingParams:
+                     info: ModelInfo, prompt_logprobs: Optional[int] = None) -> SamplingParams:
     explicit = {k: getattr(req, k) for k in _SAMPLING_FIELDS
                 if k in req.model_fields_set and getattr(req, k) is not None}
     explicit["max_tokens"] = max_tokens
     explicit["logprobs"] = logprobs
+    explicit["prompt_logprobs"] = prompt_logprobs
     explicit["output_kind"] = RequestOutputKind.DELTA  # the server relays deltas only: no per-step copies of the past
     try:
         params = SamplingParams.from_generation_config(info.generation_config, **explicit)
@@ -273,8 +273,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         prompts = _completion_prompts(req.prompt, info)
         max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs = req.logprobs
-        if req.echo and logprobs is not None:
-            raise bad_request("echo: echo together with logprobs (prompt logprobs) is not supported", "echo")
+        # as vLLM: echo with logprobs scores the prompt too (its tokens lead the legacy logprobs)
+        prompt_lps = req.prompt_logprobs if req.prompt_logprobs is not None else logprobs if req.echo else None
         echoes = [(text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
                   for ids, text in prompts]
     else:
@@ -289,10 +289,17 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         if req.top_logprobs and not req.logprobs:  # as vLLM: top_logprobs alone asks for nothing
             raise bad_request("top_logprobs: only allowed when logprobs is true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_lps = req.prompt_logprobs
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs: not available when stream is true (echo with logprobs streams the "
+                          "prompt's logprobs in its first chunk)", "prompt_logprobs")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
-    params = _sampling_params(req, max_tokens, logprobs, info)
+    params = _sampling_params(req, max_tokens, logprobs, info, prompt_lps)
     if req.kv_transfer_params is not None:  # a P/D transfer carries one sequence's KV
+        if prompt_lps is not None:  # imported KV has no logits: every prompt position must be computed here
+            raise bad_request("prompt_logprobs: prompt logprobs (or echo with logprobs) are not served with "
+                              "kv_transfer_params (P/D)", "prompt_logprobs")
         if params.n > 1:
             raise bad_request(f"n: {params.n} choices are not served with kv_transfer_params (P/D); send n = 1 "
                               "requests", "n")
@@ -305,6 +312,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     unknown = sorted(req.model_extra or {})
+    first = kind == "completion" and bool(req.echo) and logprobs is not None
     return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                               opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
-                              req.kv_transfer_params) for (ids, text), echo in zip(prompts, echoes)]
+                              req.kv_transfer_params, info.tokenizer.decode(ids[:1]) if first else None)
+            for (ids, text), echo in zip(prompts, echoes)]

@@ -31,17 +31,25 @@ def _tok(s: Optional[str]) -> str:
 
 
 def completion_logprobs(entries: list, offset: int) -> tuple[dict, int]:
-    """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset (an echoed prompt's
+    first token has no logprob: null in both)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for entry in entries:
         tok_id, lp, _rank, text = entry[0]
         text = _tok(text)
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({_tok(t): v for _, v, _, t in entry})
+        out["top_logprobs"].append(None if lp is None else {_tok(t): v for _, v, _, t in entry})
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
+
+
+def prompt_logprobs_json(entries: list) -> list:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    (-inf as -9999.0, as vLLM's: JSON has no infinity)."""
+    return [None if e is None else {str(t): {"logprob": max(v, -9999.0), "rank": r, "decoded_token": s}
+                                    for t, v, r, s in e} for e in entries]
 
 
 def chat_logprobs(entries: list, top_n: int) -> dict:
@@ -81,8 +89,11 @@ class ResponseBuilder:
         self.rejected = False
         self.timing: Optional[dict] = None  # the engine's TTFT split, from the first token's record
         self.kv_unused = False
+        self.prompt_lps: Optional[list] = None  # with the first token, when asked (TokenRecord.prompt_logprobs)
         self._offset = 0
         self._role_sent = False
+        # completions echo with logprobs: the echo waits for the prompt's logprobs, which lead the first chunk's
+        self._echo_waits = greq.prompt_first_text is not None
 
     def add(self, rec: TokenRecord) -> None:
         self.text_parts.append(rec.delta_text)
@@ -92,6 +103,8 @@ class ResponseBuilder:
         self.num_cached = rec.num_cached_tokens or self.num_cached
         self.timing = self.timing or rec.timing
         self.kv_unused = self.kv_unused or rec.kv_unused
+        if rec.prompt_logprobs is not None:
+            self.prompt_lps = rec.prompt_logprobs
         if rec.finished:
             self.finish_reason, self.stop_reason, self.error = rec.finish_reason, rec.stop_reason, rec.error
             self.kv_transfer_params = rec.kv_transfer_params
@@ -121,6 +134,8 @@ class ResponseBuilder:
                 "choices": [b.choice() for b in self.siblings], "usage": self.usage()}
         if self.g.return_token_ids and self.g.kind == "chat":
             body["prompt_token_ids"] = self.g.prompt_token_ids
+        if self.g.kind == "chat" and self.prompt_lps is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(self.prompt_lps)
         if self.kv_transfer_params is not None:
             body["kv_transfer_params"] = self.kv_transfer_params
         return body
@@ -128,10 +143,13 @@ class ResponseBuilder:
     def choice(self) -> dict:
         text = self.g.echo + "".join(self.text_parts)
         if self.g.kind == "completion":
-            choice = {"index": self.index, "text": text, "logprobs": self._logprobs(self.logprob_entries),
+            choice = {"index": self.index, "text": text,
+                      "logprobs": self._logprobs(self._echo_entries() + self.logprob_entries),
                       "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
             if self.g.return_token_ids:
                 choice["prompt_token_ids"] = self.g.prompt_token_ids
+            if self.prompt_lps is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_lps)
         else:
             choice = {"index": self.index, "message": {"role": "assistant", "content": text},
                       "logprobs": self._logprobs(self.logprob_entries), "finish_reason": self.finish_reason,
@@ -139,6 +157,12 @@ class ResponseBuilder:
         if self.g.return_token_ids:
             choice["token_ids"] = self.token_ids
         return choice
+
+    def _echo_entries(self) -> list:
+        """Completions echo with logprobs: the prompt's entries (its first token's without a logprob)."""
+        if self.g.prompt_first_text is None or self.prompt_lps is None:
+            return []
+        return [[(self.g.prompt_token_ids[0], None, None, self.g.prompt_first_text)]] + self.prompt_lps[1:]
 
     # -------------------------------------------------------------- stream
 
@@ -158,7 +182,7 @@ class ResponseBuilder:
                 out += sse(self._chunk({"index": self.index, "delta": {"content": self.g.echo},
                                         "logprobs": None, "finish_reason": None}))
             return out
-        if self.g.echo:
+        if self.g.echo and not self._echo_waits:
             choice = {"index": self.index, "text": self.g.echo, "logprobs": None, "finish_reason": None}
             if self.g.return_token_ids:
                 choice["prompt_token_ids"] = self.g.prompt_token_ids
@@ -173,6 +197,10 @@ class ResponseBuilder:
         text = "".join(r.delta_text for r in recs)
         ids = [t for r in recs for t in r.new_token_ids]
         entries = [e for r in recs for e in (r.logprobs or ())]
+        echoed = self._echo_waits and self.prompt_lps is not None
+        if echoed:  # the prompt, its logprobs first, with the first token (vLLM's first chunk)
+            self._echo_waits = False
+            text, entries = self.g.echo + text, self._echo_entries() + entries
         if last.finished and last.finish_reason == "error":
             err = {"message": last.error or "request failed", "type": "InternalServerError", "param": None, "code": 500}
             if len(self.siblings) > 1:
@@ -183,6 +211,8 @@ class ResponseBuilder:
         fr = last.finish_reason if last.finished else None
         if self.g.kind == "completion":
             choice = {"index": self.index, "text": text, "logprobs": self._logprobs(entries), "finish_reason": fr}
+            if echoed and self.g.return_token_ids:
+                choice["prompt_token_ids"] = self.g.prompt_token_ids
         else:
             choice = {"index": self.index, "delta": {"content": text} if text or not last.finished else {},
                       "logprobs": self._logprobs(entries), "finish_reason": fr}

@@ -11,8 +11,8 @@ Lifecycle of a request:
    sends the request to D alone, which answers the same client errors (or serves it where P and D are
    configured differently); a one-token token-id
    prompt skips P (a one-token *text* prompt still goes there: the router has no tokenizer; P answers without
-   params and D prefills it), and so do a request for n > 1 choices and a completions batch of several prompts
-   (D prefills those itself);
+   params and D prefills it), and so do a request for n > 1 choices, a completions batch of several prompts and
+   one asking for prompt logprobs (D prefills those itself);
 3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
    returned them, with P's own proof (D checks it; the router holds no KV token); a D that refuses the
    connection (down since the last health check) is taken out of rotation and the next D is tried; a P answer
@@ -177,12 +177,13 @@ class Router(Fleet):
             return error(503, why, "service_unavailable")
         t0 = time.monotonic()
         prompt = body.get("prompt")
-        # Straight to D, no P: a one-token prompt has no KV to import, and neither n > 1 choices nor a batch of
-        # prompts is served P/D (D prefills them itself)
+        # Straight to D, no P: a one-token prompt has no KV to import, and neither n > 1 choices, a batch of
+        # prompts nor prompt logprobs (echo with logprobs too) is served P/D (D prefills them itself)
         n = body.get("n")
         skip_p = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
             (isinstance(n, int) and not isinstance(n, bool) and n > 1) or \
-            (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)))
+            (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))) or \
+            body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None)
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:

@@ -28,6 +28,7 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # their last-token index in the flattened batch
     layout: tuple | None = None  # FULL steps: the attention groups the buffers were filled for
     num_drafted: int = 0  # rows with drafts: each has all its positions in logits_rows (repeated), in order
+    starts: list[int] | None = None  # each laid-out row's first token in the flattened batch
 
 
 class InputBuffers:
@@ -124,7 +125,7 @@ class InputBuffers:
             groups = self._groups(rows, order, starts, widths, t)
         meta = AttentionMetadata(self.slot_mapping[:tp], groups)
         return PreparedBatch(order, t, tp, num_reqs, rp, meta, logits_rows, self.logits_idx[:len(logits_idx)], layout,
-                             num_drafted)
+                             num_drafted, starts)
 
     def uniform_groups(self, layout, qlen: int) -> list[AttnGroup]:
         return [AttnGroup(slice(r0 * qlen, r1 * qlen), self.block_table[r0:r1, :w],

@@ -19,6 +19,7 @@ from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher
 from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
 from pdserve.worker.piecewise import PiecewiseRunner
+from pdserve.worker.prompt_logprobs import add_prompt_logprobs, wants_prompt_logprobs
 
 
 _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
@@ -170,10 +171,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         """Hidden states of the sampling rows' last tokens."""
+        return self.forward_all(batch)[batch.logits_indices]
+
+    def forward_all(self, batch: PreparedBatch) -> torch.Tensor:
         b = self.buffers
         n = batch.num_tokens_padded
-        hidden = self.model(b.input_ids[:n], b.positions[:n], batch.meta)
-        return hidden[batch.logits_indices]
+        return self.model(b.input_ids[:n], b.positions[:n], batch.meta)
 
     @torch.inference_mode()
     def prefill_kv(self, req, start: int, end: int, blocks_of) -> None:
@@ -200,13 +203,16 @@ class ModelRunner:
         if mode == CUDAGraphMode.FULL:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs,
                                          layout_fn=lambda widths: self.full_graphs.layout_for(desc, widths))
-            hidden = self.full_graphs.run(desc, batch.layout)[batch.logits_indices]
+            hidden_all = self.full_graphs.run(desc, batch.layout)
         elif mode == CUDAGraphMode.PIECEWISE and self.piecewise is not None:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens)
-            hidden = self.piecewise.run(desc.num_tokens, batch.meta)[batch.logits_indices]
+            hidden_all = self.piecewise.run(desc.num_tokens, batch.meta)
         else:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens if mode == CUDAGraphMode.PIECEWISE else None)
-            hidden = self.forward(batch)
+            hidden_all = self.forward_all(batch)
+        hidden = hidden_all[batch.logits_indices]
+        if any(map(wants_prompt_logprobs, rows)):
+            add_prompt_logprobs(self.model, hidden_all, rows, batch.starts, batch.order)
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
         return self.sample(rows, batch, hidden)
 

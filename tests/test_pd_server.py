@@ -167,7 +167,7 @@ def test_n_choices_through_the_router(deployment):
 def test_a_prompt_batch_or_prompt_logprobs_through_the_router(deployment, fields, param):
     """A completions batch (a list of prompts) and prompt logprobs (echo with logprobs too) are not served P/D
     either: the router sends them to D alone, whose choices equal collocated ones; sent straight to D with P/D
-    params they are a 400 naming the field."""
+    params they are a 400 naming the field; sent to P for a P/D prefill, P serves them plain, without params."""
     body = {"model": "qwen3-tiny-s0", "max_tokens": 4, "temperature": 0.0, **fields}
     p_served = metric(deployment["P"].url, "vllm:request_success_total")
     r = httpx.post(deployment["R"].url + "/v1/completions", json=body, timeout=60)
@@ -178,6 +178,11 @@ def test_a_prompt_batch_or_prompt_logprobs_through_the_router(deployment, fields
     d = httpx.post(deployment["D"].url + "/v1/completions", timeout=30,
                    json={**body, "kv_transfer_params": {"do_remote_prefill": True}})
     assert d.status_code == 400 and d.json()["error"]["param"] == param, d.text
+    # asked for a P/D prefill (vllm-router asks P first for everything), P serves it plain and names no KV to read
+    p = httpx.post(deployment["P"].url + "/v1/completions", timeout=30,
+                   json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert p.status_code == 200 and "kv_transfer_params" not in p.json(), p.text
+    assert all("prompt_logprobs" not in ch for ch in p.json()["choices"])
     wait_pools_whole(deployment["P"], deployment["D"])
 
 

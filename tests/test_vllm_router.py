@@ -7,6 +7,7 @@ different KV tokens are found by pdserve's router before traffic and answered 50
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -129,6 +130,34 @@ def test_outputs_equal_collocated_and_decode_never_prefills(dep):
     assert via_chat == [chat(d.url, s) for s in (False, True)]
     wait_no_lease(dep)
     wait_pools_whole(dep["P"], d)
+
+
+def same(a, b) -> bool:
+    """Equal JSON, floats to 1e-12: vllm-router re-encodes the answers it merges, and its float parsing can move a
+    float's last digit."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("fields", [{"n": 2, "temperature": 1.0, "seed": 7}, {"prompt": PROMPTS[:2]},
+                                    {"echo": True, "logprobs": 1}, {"prompt_logprobs": 1}],
+                         ids=["n", "batch", "echo-logprobs", "prompt-logprobs"])
+def test_what_is_not_served_pd_is_served_by_d_alone(dep, fields):
+    """vllm-router asks P first for every request: for n > 1, a batch and prompt logprobs P answers as a plain
+    request without kv_transfer_params (a 400 before), so the router sends D the request without them and D
+    prefills it: the answer is a collocated one, and P holds no lease."""
+    body = {"model": "qwen3-tiny-s0", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, **fields}
+    r = httpx.post(dep["vllm"].url + "/v1/completions", json=body, timeout=60)
+    c = httpx.post(dep["D"].url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and c.status_code == 200, (r.text, c.text)
+    assert same(r.json()["choices"], c.json()["choices"])
+    assert leased(dep) == 0
+    wait_pools_whole(dep["P"], dep["D"])
 
 
 def test_streaming_usage_through_vllm_router(dep):

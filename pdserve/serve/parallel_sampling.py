@@ -108,7 +108,7 @@ async def create_n(engine: AsyncEngine, greqs: list[GenerationRequest], request:
     failed = next((b for b in builders if b.finish_reason == "error"), None)
     if failed is not None:
         raise APIError(500, f"the request failed: {failed.error or 'engine error'}")
-    logger.info("finished: n=%d, %d tokens", len(builders), sum(len(b.token_ids) for b in builders))
+    logger.info("finished: %d choices, %d tokens", len(builders), sum(len(b.token_ids) for b in builders))
     return JSONResponse(builders[0].full(), headers=server_timing(builders[0].timing))
 
 
@@ -122,7 +122,7 @@ async def _stream(gen, builders: list[ResponseBuilder]):
                 out = builders[i].chunks(recs)
                 if out:
                     yield out
-            logger.info("finished: n=%d, %d tokens (stream)", len(builders), sum(len(b.token_ids) for b in builders))
+            logger.info("finished: %d choices, %d tokens (stream)", len(builders), sum(len(b.token_ids) for b in builders))
         except Exception:  # after the headers went out: an error event, then the end
             logger.exception("stream failed")
             yield sse({"error": {"message": "internal server error (see the server log)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.serve.errors import APIError, bad_request
 
+logger = logging.getLogger("pdserve.serve")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
 # Request fields passed to SamplingParams as they are (when the client set them).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -296,7 +298,17 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
     params = _sampling_params(req, max_tokens, logprobs, info, prompt_lps)
-    if req.kv_transfer_params is not None:  # a P/D transfer carries one sequence's KV
+    kv_params = req.kv_transfer_params
+    local_only = prompt_lps is not None or params.n > 1 or len(prompts) > 1
+    if kv_params is not None and local_only and kv_params.get("do_remote_decode") is True and \
+            not kv_params.get("do_remote_prefill"):
+        # a router's prefill request (vllm-router asks P for every request) for what is not served P/D: served as
+        # a plain request and answered without params, so the decode node prefills it itself. Without the prompt's
+        # logprobs too: the decode node's answer has them all, and vllm-router would put these in front of those
+        logger.info("not served P/D (n > 1, a batch or prompt logprobs): no kv_transfer_params in the answer")
+        kv_params, prompt_lps, echoes = None, None, [""] * len(prompts)
+        params.prompt_logprobs = None
+    if kv_params is not None:  # a P/D transfer carries one sequence's KV
         if prompt_lps is not None:  # imported KV has no logits: every prompt position must be computed here
             raise bad_request("prompt_logprobs: prompt logprobs (or echo with logprobs) are not served with "
                               "kv_transfer_params (P/D)", "prompt_logprobs")
@@ -312,8 +324,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     unknown = sorted(req.model_extra or {})
-    first = kind == "completion" and bool(req.echo) and logprobs is not None
+    first = kind == "completion" and bool(req.echo) and logprobs is not None and prompt_lps is not None
     return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                               opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
-                              req.kv_transfer_params, info.tokenizer.decode(ids[:1]) if first else None)
+                              kv_params, info.tokenizer.decode(ids[:1]) if first else None)
             for (ids, text), echo in zip(prompts, echoes)]

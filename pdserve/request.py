@@ -61,6 +61,7 @@ class Request:
         # with sampling_params.prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
         # {id: Logprob} as the prefill computes them (the model runner appends; a recompute skips what is here)
         self.prompt_logprobs: Optional[list] = None if sampling_params.prompt_logprobs is None else [None]
+        self.prompt_logprobs_todo = self.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)
         self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV

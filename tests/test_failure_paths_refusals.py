@@ -18,7 +18,7 @@ CASES = [
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format: only type 'text'"),
     ("completions", {"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
     ("chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20]"),
-    ("completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs: not available when stream is true"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs: not available when stream is true"),
     ("completions", {"prompt_logprobs": "2"}, "prompt_logprobs"),
     ("chat/completions", {"echo": "sometimes"}, "echo"),  # was never read as a field: any value turned it on
 ]

@@ -43,10 +43,23 @@ def check(out, prompt, ref) -> None:
     dict(max_num_batched_tokens=16, block_size=16),  # chunks on block edges; 17 and 33 end one token past one
     dict(max_num_batched_tokens=64, block_size=16, long_prefill_token_threshold=7),  # 7-token chunks, mid-block
     dict(max_num_batched_tokens=128, block_size=16, num_gpu_blocks_override=9, max_num_seqs=6, max_model_len=128),
+    # one-token chunks past the first: mid-prompt rows that are decode-shaped ride FULL steps (q = 1)
+    dict(max_num_batched_tokens=64, block_size=16, long_prefill_token_threshold=1),
+    # 4-token chunks beside drafting rows: prompt rows on FULL steps at q = 1 + K
+    dict(max_num_batched_tokens=64, block_size=16, long_prefill_token_threshold=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
 ])
 def test_prompt_logprobs_equal_transformers(setup, cfg):
     model_dir, prompts, ref = setup
     llm = LLM(model_dir, dtype="float64", enable_prefix_caching=True, **cfg)
+    runner, on_full = llm.engine.runner, [0]
+    choose = runner.choose_graph
+
+    def counting(rows):  # steps whose prompt-logprob rows ride a FULL graph
+        mode, *rest = choose(rows)
+        on_full[0] += mode.name == "FULL" and any(r.request.prompt_logprobs_todo for r in rows)
+        return (mode, *rest)
+    runner.choose_graph = counting
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
     for round_ in range(2):  # the second round would hit the prefix cache if a prompt-logprobs request could
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -55,6 +68,8 @@ def test_prompt_logprobs_equal_transformers(setup, cfg):
             assert out.num_cached_tokens == 0
     if "num_gpu_blocks_override" in cfg:
         assert llm.engine.scheduler.num_preemptions > 0, "the preemption config did not preempt"
+    if cfg.get("long_prefill_token_threshold") in (1, 4):  # the two FULL configs
+        assert on_full[0] > 0, "no prompt-logprob row rode a FULL step"
     plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outs]
     assert all(o.prompt_logprobs is None for o in plain)
@@ -62,6 +77,20 @@ def test_prompt_logprobs_equal_transformers(setup, cfg):
         assert sum(o.num_cached_tokens for o in plain) > 0  # others hit the cache the prompt-logprob ones wrote
     llm.engine.check_invariants()
     assert llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1, "blocks leaked"
+
+
+def test_prompt_logprobs_are_refused_with_imported_kv(setup):
+    """A request whose prompt KV is imported (P/D, the arrival driver) has no logits for its prompt: refused, never
+    answered with a short list."""
+    model_dir, prompts, _ = setup
+    llm = LLM(model_dir, dtype="float64")
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    for add in (lambda: llm.engine.add_prefilled_request(prompts[4], sp),
+                lambda: llm.engine.add_request(prompts[4], sp, kv_transfer_params={"do_remote_prefill": True})):
+        with pytest.raises(ValueError, match="prompt_logprobs: not with imported KV"):
+            add()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1
 
 
 def test_prompt_logprobs_with_spec_decode_and_delta_outputs(setup):

@@ -361,17 +361,31 @@ def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
     assert all(abs(lp["token_logprobs"][k] - want.prompt_logprobs[k][want.prompt_token_ids[k]].logprob) < 1e-5
                for k in range(1, n_prompt))
     assert full[1]["text"].startswith(PROMPTS[2]) and full[1]["logprobs"]["token_logprobs"][0] is None
+    body3 = {**body, "prompt": prompt, "max_tokens": 3}
+    whole = http.post("/v1/completions", json=body3).json()["choices"][0]
     chunks = []
-    with http.stream("POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}) as st:
+    with http.stream("POST", "/v1/completions", json={**body3, "stream": True}) as st:
         for line in st.iter_lines():
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:])["choices"][0])
-    assert "".join(ch["text"] for ch in chunks) == c["text"] and chunks[0]["text"] == c["text"]
-    assert chunks[0]["logprobs"] == lp
+    assert "".join(ch["text"] for ch in chunks) == whole["text"] and chunks[0]["text"].startswith(prompt)
+    streamed = {k: [x for ch in chunks for x in ch["logprobs"][k]] for k in whole["logprobs"]}
+    assert streamed == whole["logprobs"] and len(streamed["tokens"]) == n_prompt + 3  # offsets run on across chunks
+    # an explicit, larger prompt_logprobs: its own field has them all, the legacy shape `logprobs` + 1 at most
+    wide = http.post("/v1/completions", json={**body, "prompt": prompt, "prompt_logprobs": 5}).json()["choices"][0]
+    assert max(len(e) for e in wide["prompt_logprobs"][1:]) >= 5
+    assert max(len(t) for t in wide["logprobs"]["top_logprobs"][1:]) <= 2
+    ok = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 0, "stream": True})
+    assert ok.status_code == 200 and ok.text.endswith("data: [DONE]\n\n")  # as vLLM: 0 streams (unsent)
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                                    "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # 0: the prompt token's own only
+    echo_chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 1, "echo": True, "logprobs": True,
+                                                        "top_logprobs": 2}).json()
+    plp = echo_chat["prompt_logprobs"]  # as vLLM: chat echo scores the prompt with top_logprobs
+    assert len(plp) == chat["usage"]["prompt_tokens"] and plp[0] is None and min(len(e) for e in plp[1:]) >= 2
     k = kv(http)
     assert k["used_blocks"] == 0 and k["invariants_ok"], k
 

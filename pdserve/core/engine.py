@@ -127,6 +127,8 @@ class LLMEngine(EnginePDMixin):
             raise ValueError(f"n = {params.n}: the engine takes n = 1 requests; submit params.child(i) for i < n")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
+        if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
+            raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
         if kv_transfer_params is not None:
             kv_transfer_params = self._check_kv_params(kv_transfer_params, token_ids)
         if request_id is None:
@@ -158,6 +160,8 @@ class LLMEngine(EnginePDMixin):
         """D-side arrival driver without P (as vLLM's DecodeBenchConnector): the first n - 1 prompt tokens get real
         KV from a separate local prefill pass (after any prefix-cache hit), then the request waits to be scheduled
         as the one-token replay of its last prompt token, exactly as a request whose KV came from a prefill node."""
+        if params is not None and params.prompt_logprobs is not None:
+            raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
         req = self.add_request(prompt, params, request_id)
         n = req.num_prompt_tokens
         if n < 2:
@@ -264,6 +268,10 @@ class LLMEngine(EnginePDMixin):
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+_NO_IMPORTED_PROMPT_LOGPROBS = ("prompt_logprobs: not with imported KV (a P/D decode node's or the arrival driver's): "
+                                "the prompt's logits are computed where its KV is")
 
 
 def load_tokenizer(model_dir: str):

@@ -291,10 +291,14 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         if req.top_logprobs and not req.logprobs:  # as vLLM: top_logprobs alone asks for nothing
             raise bad_request("top_logprobs: only allowed when logprobs is true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prompt_lps = req.prompt_logprobs
-    if req.prompt_logprobs is not None and req.stream:
+        # as vLLM: echo scores the prompt with top_logprobs (answered in the top-level prompt_logprobs)
+        prompt_lps = req.prompt_logprobs if req.prompt_logprobs is not None else \
+            req.top_logprobs if req.echo else None
+    if req.stream and req.prompt_logprobs:  # as vLLM: only 0 streams (and is then never sent)
         raise bad_request("prompt_logprobs: not available when stream is true (echo with logprobs streams the "
                           "prompt's logprobs in its first chunk)", "prompt_logprobs")
+    if req.stream and not (kind == "completion" and req.echo and logprobs is not None):
+        prompt_lps = None  # a stream carries them only as completions echo's logprobs: not computed for nothing
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
     params = _sampling_params(req, max_tokens, logprobs, info, prompt_lps)

@@ -26,6 +26,9 @@ def usage(n_prompt: int, n_out: int, n_cached: int = 0) -> dict:
     return u
 
 
+_MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf: JSON has no infinity
+
+
 def _tok(s: Optional[str]) -> str:
     return s if s is not None else ""
 
@@ -38,8 +41,8 @@ def completion_logprobs(entries: list, offset: int) -> tuple[dict, int]:
         tok_id, lp, _rank, text = entry[0]
         text = _tok(text)
         out["tokens"].append(text)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if lp is None else {_tok(t): v for _, v, _, t in entry})
+        out["token_logprobs"].append(lp if lp is None else max(lp, _MIN_LOGPROB))
+        out["top_logprobs"].append(None if lp is None else {_tok(t): max(v, _MIN_LOGPROB) for _, v, _, t in entry})
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
@@ -48,7 +51,7 @@ def completion_logprobs(entries: list, offset: int) -> tuple[dict, int]:
 def prompt_logprobs_json(entries: list) -> list:
     """vLLM's `prompt_logprobs`: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}
     (-inf as -9999.0, as vLLM's: JSON has no infinity)."""
-    return [None if e is None else {str(t): {"logprob": max(v, -9999.0), "rank": r, "decoded_token": s}
+    return [None if e is None else {str(t): {"logprob": max(v, _MIN_LOGPROB), "rank": r, "decoded_token": s}
                                     for t, v, r, s in e} for e in entries]
 
 
@@ -58,9 +61,9 @@ def chat_logprobs(entries: list, top_n: int) -> dict:
         _, lp, _, text = entry[0]
         text = _tok(text)
         top = sorted(entry, key=lambda r: r[2])[:top_n]
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": _tok(t), "logprob": v, "bytes": list(_tok(t).encode())}
-                                         for _, v, _, t in top]})
+        content.append({"token": text, "logprob": max(lp, _MIN_LOGPROB), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": _tok(t), "logprob": max(v, _MIN_LOGPROB),
+                                          "bytes": list(_tok(t).encode())} for _, v, _, t in top]})
     return {"content": content}
 
 
@@ -162,7 +165,9 @@ class ResponseBuilder:
         """Completions echo with logprobs: the prompt's entries (its first token's without a logprob)."""
         if self.g.prompt_first_text is None or self.prompt_lps is None:
             return []
-        return [[(self.g.prompt_token_ids[0], None, None, self.g.prompt_first_text)]] + self.prompt_lps[1:]
+        k = self.g.params.logprobs + 1  # as vLLM: the legacy shape lists `logprobs` alternatives, whatever
+        return [[(self.g.prompt_token_ids[0], None, None, self.g.prompt_first_text)]] + \
+            [e[:k] for e in self.prompt_lps[1:]]  # prompt_logprobs asked for
 
     # -------------------------------------------------------------- stream
 

@@ -69,6 +69,13 @@ STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_co
 PD_REFUSAL_HOLD = 30.0  # s a P that refused the P/D prefill itself is passed over while another P is left
 
 
+def _asks_prompt_logprobs(body: dict) -> bool:
+    """prompt_logprobs, or echo with completions' logprobs (an int) or chat's top_logprobs, as the nodes read them."""
+    lp = body.get("logprobs")
+    return body.get("prompt_logprobs") is not None or body.get("echo") is True and (
+        isinstance(lp, int) and not isinstance(lp, bool) or body.get("top_logprobs") is not None)
+
+
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (its body was read already, so only the disconnect is left to receive)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -183,7 +190,7 @@ class Router(Fleet):
         skip_p = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
             (isinstance(n, int) and not isinstance(n, bool) and n > 1) or \
             (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))) or \
-            body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None)
+            _asks_prompt_logprobs(body)
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:

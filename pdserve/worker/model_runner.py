@@ -212,7 +212,8 @@ class ModelRunner:
             hidden_all = self.forward_all(batch)
         hidden = hidden_all[batch.logits_indices]
         if any(map(wants_prompt_logprobs, rows)):
-            add_prompt_logprobs(self.model, hidden_all, rows, batch.starts, batch.order)
+            add_prompt_logprobs(self.model, hidden_all, rows, batch.starts, batch.order,
+                                self.config.scheduler.max_num_seqs * self.uniform_query_len)
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
         return self.sample(rows, batch, hidden)
 

@@ -85,6 +85,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (keys may be int strings)
+    allowed_token_ids: Optional[list[int]] = None  # only these may be sampled (vLLM's); None: any
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -150,6 +151,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
 
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative ints, got {ids!r}"[:200])
+            self.allowed_token_ids = sorted(set(ids))
 
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -167,7 +173,8 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-                       logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
+                       logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+                       allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids))
 
     def child(self, index: int) -> "SamplingParams":
         """Parallel sampling (n > 1) runs n requests of n = 1; as vLLM's, child i of a seeded request has seed +

@@ -17,6 +17,10 @@ V = 97
 
 def ref_penalties(logits, r):
     sp, x = r.sampling_params, logits.clone()
+    if sp.allowed_token_ids is not None:  # first, as vLLM
+        keep = torch.zeros(V, dtype=torch.bool)
+        keep[sp.allowed_token_ids] = True
+        x[~keep] = float("-inf")
     if r.num_output_tokens < sp.min_tokens:
         banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
         x[banned] = float("-inf")
@@ -54,7 +58,8 @@ def random_request(rng, i):
                         frequency_penalty=rng.choice([0.0, -0.3]), min_tokens=rng.choice([0, 3]),
                         stop_token_ids=rng.choice([[], [5, 6]]), seed=rng.choice([None, 7 + i]), max_tokens=50,
                         logprobs=rng.choice([None, 0, 3]),
-                        logit_bias=rng.choice([None, None, {3: 2.5, "7": -100, 11: 150.0, 5: 1}]))
+                        logit_bias=rng.choice([None, None, {3: 2.5, "7": -100, 11: 150.0, 5: 1}]),
+                        allowed_token_ids=rng.choice([None, None, [1, 3, 5, 6, 7, 40, 41, 96]]))
     return Request(f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 20))], sp, frozenset({1}))
 
 

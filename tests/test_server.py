@@ -390,6 +390,28 @@ def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
     assert k["used_blocks"] == 0 and k["invariants_ok"], k
 
 
+def test_allowed_token_ids_truncation_and_vllm_defaults(http):
+    """allowed_token_ids: every token sampled from them; truncate_prompt_tokens: the prompt's last k ids (first k
+    with truncation_side right), as if sent so; vLLM's not-served fields at their defaults are accepted."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "seed": 1, "ignore_eos": True,
+            "return_token_ids": True}
+    got = http.post("/v1/completions", json={**body, "allowed_token_ids": [77, 78, 4000]}).json()
+    assert set(got["choices"][0]["token_ids"]) <= {77, 78, 4000}, got
+    ids = got["choices"][0]["prompt_token_ids"]
+    for side, part in (("left", ids[-3:]), ("right", ids[:3])):
+        cut = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 3, "truncation_side": side,
+                                                 "echo": True}).json()
+        alone = http.post("/v1/completions", json={**body, "prompt": part}).json()
+        assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["prompt_token_ids"] == part
+        assert cut["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        assert cut["choices"][0]["text"].endswith(alone["choices"][0]["text"])
+    whole = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()  # max_model_len
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "priority": 0,
+                "structured_outputs": None, "return_tokens_as_token_ids": False}
+    assert http.post("/v1/completions", json={**body, **defaults}).status_code == 200
+
+
 def cut_stream(server, body: dict, after: int) -> None:
     """Read `after` SSE events, then close the connection mid-stream."""
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
@@ -590,6 +612,32 @@ ERROR_CASES = [
      "logit_bias"),
     ("logit-bias-not-object", "/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, ["logit_bias"],
      "logit_bias"),
+    ("allowed-empty", "/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, ["allowed_token_ids"],
+     "allowed_token_ids"),
+    ("allowed-out-of-vocab", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [5, 999999]}, 400,
+     ["999999", "vocabulary"], "allowed_token_ids"),
+    ("truncate-zero", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
+     ["truncate_prompt_tokens"], "truncate_prompt_tokens"),
+    ("truncate-below", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}, 400,
+     ["truncate_prompt_tokens"], "truncate_prompt_tokens"),
+    ("truncation-side", "/v1/completions", {"prompt": "x", "truncation_side": "middle"}, 400, ["truncation_side"],
+     "truncation_side"),
+    # vLLM's fields that change the answer and are not served: refused, never quietly dropped
+    ("beam-search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, ["use_beam_search"],
+     "use_beam_search"),
+    ("bad-words", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bad_words": ["a"]}, 400,
+     ["bad_words", "not supported"], "bad_words"),
+    ("structured-outputs", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a+"}}, 400,
+     ["structured_outputs"], "structured_outputs"),
+    ("guided-json", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
+     ["guided_json"], "guided_json"),
+    ("priority", "/v1/completions", {"prompt": "x", "priority": 3}, 400, ["priority"], "priority"),
+    ("chat-template", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, 400, ["chat_template"],
+     "chat_template"),
+    ("json-completions", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     ["response_format"], "response_format"),
     ("token-negative", "/v1/completions", {"prompt": [5, -1]}, 400, ["-1", "vocabulary"], "prompt"),
     ("kv-transfer-params", "/v1/completions", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, 400,
      ["kv_transfer_params", "connector"], "kv_transfer_params"),

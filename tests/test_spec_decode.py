@@ -82,7 +82,8 @@ def test_rows_at_the_end_of_the_context(qwen3_tiny, max_model_len, block_size):
 
 PENALISED = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.4),
              dict(min_tokens=10), dict(repetition_penalty=0.8, frequency_penalty=-0.3, min_tokens=5),
-             dict(logit_bias={str(t): 4.0 for t in range(200, 260)} | {"11": -100})]
+             dict(logit_bias={str(t): 4.0 for t in range(200, 260)} | {"11": -100}),
+             dict(allowed_token_ids=list(range(200, 400)) + [2210, 2531, 965], repetition_penalty=1.2)]
 
 
 def test_penalties_min_tokens_and_stops_match_plain(qwen3_tiny):

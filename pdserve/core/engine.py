@@ -205,9 +205,10 @@ class LLMEngine(EnginePDMixin):
         bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:  # the min_tokens ban indexes the logits with them
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logit_bias", "allowed_token_ids"):  # both index the logits
+            bad = next((t for t in getattr(params, name) or () if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         n = len(token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}")

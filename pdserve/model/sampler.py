@@ -143,9 +143,12 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], pos: list[int],
                          extras: Optional[list[list[int]]] = None) -> torch.Tensor:
-        """min_tokens masking, logit bias, then penalties (vLLM's order) at rows `pos` of `logits`, row pos[i] for
-        reqs[i]; `extras[i]`: tokens taken as already emitted at that row (a speculative position's earlier drafts;
-        never placeholders)."""
+        """allowed_token_ids, min_tokens masking, logit bias, then penalties (vLLM's order) at rows `pos` of
+        `logits`, row pos[i] for reqs[i]; `extras[i]`: tokens taken as already emitted at that row (a speculative
+        position's earlier drafts; never placeholders)."""
+        for i, r in zip(pos, reqs):
+            if r.sampling_params.allowed_token_ids is not None:
+                _keep_only(logits, i, r.sampling_params.allowed_token_ids)
         ban_rows, ban_ids = [], []
         biased = []
         counted, counted_pos, counted_extra = [], [], []
@@ -246,9 +249,17 @@ class Sampler:
 
 
 def penalised(req: Request, sp) -> bool:
-    """Whether a row's logits change before sampling: min_tokens, a logit bias or a penalty."""
+    """Whether a row's logits change before sampling: min_tokens, a logit bias, allowed ids or a penalty."""
     return req.num_output_tokens < sp.min_tokens or sp.repetition_penalty != 1.0 or bool(
-        sp.presence_penalty or sp.frequency_penalty) or sp.logit_bias is not None
+        sp.presence_penalty or sp.frequency_penalty) or sp.logit_bias is not None or sp.allowed_token_ids is not None
+
+
+def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:
+    """Every logit of `row` but those of `ids` set to -inf (one vocabulary-wide write)."""
+    idx = torch.tensor(ids, device=logits.device)
+    keep = logits[row, idx]
+    logits[row] = float("-inf")
+    logits[row, idx] = keep
 
 
 def logprobs_of(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:

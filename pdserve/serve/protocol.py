@@ -22,8 +22,15 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-a
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n",
-                    "logit_bias")
+                    "logit_bias", "allowed_token_ids")
 _SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_completion_tokens", "top_logprobs"}
+# vLLM's request fields that change what is generated and that pdserve does not serve, with the values that ask for
+# nothing: any other value is a 400 naming the field, never an answer that quietly went without it
+_NOT_SERVED = {"use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "logprob_token_ids": (),
+               "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+               "guided_choice": (), "guided_grammar": (), "watermarking": (), "priority": (0,),
+               "repetition_detection": (), "thinking_token_budget": (), "return_tokens_as_token_ids": (False,),
+               "chat_template": (), "documents": ([],), "logits_processors": ([],)}
 
 
 class _Strict(BaseModel):
@@ -62,6 +69,11 @@ class _Common(_Strict):
     kv_transfer_params: Optional[dict] = None
     return_token_ids: Optional[bool] = False  # vLLM: token ids in the choices and the prompt's in the response
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and top N
+    allowed_token_ids: Optional[list[int]] = None  # vLLM's: only these may be sampled
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # vLLM's: keep k prompt tokens (-1: max_model_len)
+    truncation_side: Optional[Literal["left", "right"]] = None  # which end truncation cuts (left: keep the last)
+    add_special_tokens: Optional[bool] = None  # vLLM's; unset: true for completions, false for chat (the template)
+    response_format: Optional[dict] = None
 
 
 class CompletionRequest(_Common):
@@ -82,7 +94,6 @@ class ChatRequest(_Common):
     chat_template_kwargs: Optional[dict] = None
     tools: Optional[list] = None
     tool_choice: Any = None
-    response_format: Optional[dict] = None
     echo: Optional[bool] = False  # vLLM's: the last message's content first, when it has the response's role
 
 
@@ -165,16 +176,16 @@ def _check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
     return list(ids)
 
 
-def _completion_prompts(prompt: Any, info: ModelInfo) -> list[tuple[list[int], Optional[str]]]:
+def _completion_prompts(prompt: Any, info: ModelInfo, special: bool) -> list[tuple[list[int], Optional[str]]]:
     """(ids, text) per prompt: a string, a list of token ids, or a batch (a list of several of those), as vLLM's."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return [_one_prompt(p, info, f"prompt[{j}]") for j, p in enumerate(prompt)]
-    return [_one_prompt(prompt, info, "prompt")]
+        return [_one_prompt(p, info, f"prompt[{j}]", special) for j, p in enumerate(prompt)]
+    return [_one_prompt(prompt, info, "prompt", special)]
 
 
-def _one_prompt(prompt: Any, info: ModelInfo, where: str) -> tuple[list[int], Optional[str]]:
+def _one_prompt(prompt: Any, info: ModelInfo, where: str, special: bool) -> tuple[list[int], Optional[str]]:
     if isinstance(prompt, str):
-        return info.tokenizer(prompt, add_special_tokens=True).input_ids, prompt
+        return info.tokenizer(prompt, add_special_tokens=special).input_ids, prompt
     if isinstance(prompt, list):
         return _check_token_ids(prompt, info, where), None
     if prompt is None:
@@ -218,7 +229,26 @@ def _chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tupl
     return info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text, conv
 
 
+def _truncated(prompts: list, req: _Common, info: ModelInfo) -> list:
+    """vLLM's truncate_prompt_tokens: at most k tokens of each prompt, the last k unless truncation_side is right;
+    a cut prompt's text is its ids' (what echo shows)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return prompts
+    k = info.max_model_len if k == -1 else k
+    if k == 0:
+        raise bad_request("truncate_prompt_tokens: must be -1 or at least 1, got 0", "truncate_prompt_tokens")
+    return [(ids, text) if len(ids) <= k else (ids[:k] if req.truncation_side == "right" else ids[-k:], None)
+            for ids, text in prompts]
+
+
 def _unsupported(req: _Common) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if name in _NOT_SERVED and value is not None and value not in _NOT_SERVED[name]:
+            raise bad_request(f"{name}: not supported by pdserve (vLLM's field; leave it out)", name)
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise bad_request(f"response_format: only type 'text' is supported, got {fmt!r}", "response_format")
     if req.best_of not in (None, 1):
         raise bad_request("best_of: only 1 is supported", "best_of")
     if isinstance(req, CompletionRequest) and req.suffix:
@@ -226,9 +256,6 @@ def _unsupported(req: _Common) -> None:
     if isinstance(req, ChatRequest):
         if req.tools or req.tool_choice not in (None, "none"):
             raise bad_request("tools: tool and function calling are not supported", "tools")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format: only type 'text' is supported, got {fmt!r}", "response_format")
 
 
 def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional[int],
@@ -247,6 +274,7 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
         raise bad_request(msg, word if word in _SAMPLING_NAMES else None) from None
     _check_token_ids(params.stop_token_ids, info, "stop_token_ids")
     _check_token_ids(list(params.logit_bias or ()), info, "logit_bias")
+    _check_token_ids(params.allowed_token_ids or [], info, "allowed_token_ids")
     return params
 
 
@@ -272,7 +300,7 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
                           "config to take part in P/D)", "kv_transfer_params")
     if kind == "completion":
-        prompts = _completion_prompts(req.prompt, info)
+        prompts = _truncated(_completion_prompts(req.prompt, info, req.add_special_tokens is not False), req, info)
         max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs = req.logprobs
         # as vLLM: echo with logprobs scores the prompt too (its tokens lead the legacy logprobs)
@@ -280,8 +308,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         echoes = [(text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
                   for ids, text in prompts]
     else:
-        ids, text, conv = _chat_prompt(req, info)
-        prompts = [(ids, text)]
+        ids, text, conv = _chat_prompt(req, info, bool(req.add_special_tokens))
+        prompts = _truncated([(ids, text)], req, info)
         # as vLLM: the answer's role is the assistant's, or the last message's when no generation prompt is added
         role = "assistant" if req.add_generation_prompt else conv[-1]["role"]
         echoes = [conv[-1]["content"] if req.echo and conv[-1]["role"] == role else ""]

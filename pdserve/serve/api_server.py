@@ -30,7 +30,8 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError, install_error_handlers
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
-from pdserve.serve.protocol import ModelInfo, parse_json_body
+from pdserve.serve.prompts import ModelInfo
+from pdserve.serve.protocol import parse_json_body
 from pdserve.serve.request_context import RequestContextMiddleware, configure_logging
 from pdserve.serve.server_config import ServerConfig
 from pdserve.serve.serving import OpenAIServing

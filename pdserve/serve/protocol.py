@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.serve.errors import APIError, bad_request
+from pdserve.serve.prompts import ModelInfo, chat_prompt, check_token_ids, completion_prompts, truncated
 
 logger = logging.getLogger("pdserve.serve")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
@@ -98,17 +99,6 @@ class ChatRequest(_Common):
 
 
 @dataclasses.dataclass
-class ModelInfo:
-    """What request translation needs to know about the served model."""
-    names: tuple[str, ...]
-    tokenizer: Any
-    vocab_size: int
-    max_model_len: int
-    generation_config: dict
-    has_kv_connector: bool = False
-
-
-@dataclasses.dataclass
 class GenerationRequest:
     kind: Literal["completion", "chat"]
     model: str
@@ -167,81 +157,6 @@ def _check_model(req: _Common, info: ModelInfo) -> str:
     return info.names[0]
 
 
-def _check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise bad_request(f"{param}: token ids must be integers, got {json.dumps(t)[:40]}", param)
-        if not 0 <= t < info.vocab_size:
-            raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {info.vocab_size})", param)
-    return list(ids)
-
-
-def _completion_prompts(prompt: Any, info: ModelInfo, special: bool) -> list[tuple[list[int], Optional[str]]]:
-    """(ids, text) per prompt: a string, a list of token ids, or a batch (a list of several of those), as vLLM's."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return [_one_prompt(p, info, f"prompt[{j}]", special) for j, p in enumerate(prompt)]
-    return [_one_prompt(prompt, info, "prompt", special)]
-
-
-def _one_prompt(prompt: Any, info: ModelInfo, where: str, special: bool) -> tuple[list[int], Optional[str]]:
-    if isinstance(prompt, str):
-        return info.tokenizer(prompt, add_special_tokens=special).input_ids, prompt
-    if isinstance(prompt, list):
-        return _check_token_ids(prompt, info, where), None
-    if prompt is None:
-        raise bad_request("prompt: field required", "prompt")
-    raise bad_request(f"{where}: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-
-
-def _chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple[list[int], str, list[dict]]:
-    """`req`: a ChatRequest, or /tokenize's chat form (which has the same rendering fields), so both count alike."""
-    msgs = req.messages
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
-    conv = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"{where}: must be an object with a string 'role'", where)
-        content = m.get("content")
-        if content is None:  # OpenAI: only an assistant message with tool calls may omit it (replayed history)
-            if m.get("role") != "assistant" or not (m.get("tool_calls") or m.get("function_call")):
-                raise bad_request(f"{where}.content: field required", f"{where}.content")
-            content = ""
-        if isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise bad_request(f"{where}.content[{j}]: only text parts ({{type: text, text}}) are "
-                                      "supported", f"{where}.content")
-                parts.append(p["text"])
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise bad_request(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
-        conv.append({**m, "content": content})
-    kwargs = dict(req.chat_template_kwargs or {})
-    try:
-        text = info.tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=bool(req.continue_final_message), **kwargs)
-    except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
-        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-    return info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text, conv
-
-
-def _truncated(prompts: list, req: _Common, info: ModelInfo) -> list:
-    """vLLM's truncate_prompt_tokens: at most k tokens of each prompt, the last k unless truncation_side is right;
-    a cut prompt's text is its ids' (what echo shows)."""
-    k = req.truncate_prompt_tokens
-    if k is None:
-        return prompts
-    k = info.max_model_len if k == -1 else k
-    if k == 0:
-        raise bad_request("truncate_prompt_tokens: must be -1 or at least 1, got 0", "truncate_prompt_tokens")
-    return [(ids, text) if len(ids) <= k else (ids[:k] if req.truncation_side == "right" else ids[-k:], None)
-            for ids, text in prompts]
-
-
 def _unsupported(req: _Common) -> None:
     for name, value in (req.model_extra or {}).items():
         if name in _NOT_SERVED and value is not None and value not in _NOT_SERVED[name]:
@@ -272,9 +187,9 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
         msg = str(e)
         word = msg.split(" ", 1)[0]
         raise bad_request(msg, word if word in _SAMPLING_NAMES else None) from None
-    _check_token_ids(params.stop_token_ids, info, "stop_token_ids")
-    _check_token_ids(list(params.logit_bias or ()), info, "logit_bias")
-    _check_token_ids(params.allowed_token_ids or [], info, "allowed_token_ids")
+    check_token_ids(params.stop_token_ids, info, "stop_token_ids")
+    check_token_ids(list(params.logit_bias or ()), info, "logit_bias")
+    check_token_ids(params.allowed_token_ids or [], info, "allowed_token_ids")
     return params
 
 
@@ -300,7 +215,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
                           "config to take part in P/D)", "kv_transfer_params")
     if kind == "completion":
-        prompts = _truncated(_completion_prompts(req.prompt, info, req.add_special_tokens is not False), req, info)
+        prompts = truncated(completion_prompts(req.prompt, info, req.add_special_tokens is not False),
+                            req.truncate_prompt_tokens, req.truncation_side, info)
         max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs = req.logprobs
         # as vLLM: echo with logprobs scores the prompt too (its tokens lead the legacy logprobs)
@@ -308,8 +224,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         echoes = [(text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
                   for ids, text in prompts]
     else:
-        ids, text, conv = _chat_prompt(req, info, bool(req.add_special_tokens))
-        prompts = _truncated([(ids, text)], req, info)
+        ids, text, conv = chat_prompt(req, info, bool(req.add_special_tokens))
+        prompts = truncated([(ids, text)], req.truncate_prompt_tokens, req.truncation_side, info)
         # as vLLM: the answer's role is the assistant's, or the last message's when no generation prompt is added
         role = "assistant" if req.add_generation_prompt else conv[-1]["role"]
         echoes = [conv[-1]["content"] if req.echo and conv[-1]["role"] == role else ""]

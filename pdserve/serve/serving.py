@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
 from pdserve.serve.parallel_sampling import create_n
-from pdserve.serve.protocol import ModelInfo, to_generation_requests
+from pdserve.serve.prompts import ModelInfo
+from pdserve.serve.protocol import to_generation_requests
 from pdserve.serve.responses import ResponseBuilder, sse
 from pdserve.serve.router_timing import server_timing
 

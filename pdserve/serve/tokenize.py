@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, Request
 
 from pdserve.serve.errors import bad_request
-from pdserve.serve.protocol import ModelInfo, _chat_prompt, _check_model, _check_token_ids, _Strict, _validate
+from pdserve.serve.prompts import ModelInfo, chat_prompt, check_token_ids
+from pdserve.serve.protocol import _check_model, _Strict, _validate
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -29,7 +30,7 @@ class TokenizeCompletionRequest(_Strict):
 
 class TokenizeChatRequest(_Strict):
     model: Optional[str] = None
-    messages: Any = None  # checked by _chat_prompt, as for /v1/chat/completions
+    messages: Any = None  # checked by chat_prompt, as for /v1/chat/completions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # false, as vLLM: the chat template already writes the special tokens it wants
@@ -67,7 +68,7 @@ def tokenize(data: dict, info: ModelInfo) -> dict:
             raise bad_request("chat_template: a request's own chat template is not supported", "chat_template")
         if req.tools:
             raise bad_request("tools: tool and function calling are not supported", "tools")
-        ids = _chat_prompt(req, info, add_special_tokens=req.add_special_tokens)[0]
+        ids = chat_prompt(req, info, add_special_tokens=req.add_special_tokens)[0]
     elif "prompt" in data:
         req = _validate(TokenizeCompletionRequest, data)
         _check_model(req, info)
@@ -83,7 +84,7 @@ def detokenize(data: dict, info: ModelInfo) -> dict:
     req = _validate(DetokenizeRequest, data)
     _check_model(req, info)
     _warn_unknown(req)
-    ids = _check_token_ids(req.tokens, info, "tokens")
+    ids = check_token_ids(req.tokens, info, "tokens")
     # special tokens kept, as vLLM's: the text is what the ids are, not what a completion would show
     return {"prompt": info.tokenizer.decode(ids)}
 

@@ -1,0 +1,95 @@
+"""What the model sees of a request: its prompt token ids (a completions prompt or batch, a chat rendered with the
+tokenizer's template, truncated as asked), each check a 400 naming the field."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+from pdserve.serve.errors import bad_request
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What request translation needs to know about the served model."""
+    names: tuple[str, ...]
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    generation_config: dict
+    has_kv_connector: bool = False
+
+
+
+def check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad_request(f"{param}: token ids must be integers, got {json.dumps(t)[:40]}", param)
+        if not 0 <= t < info.vocab_size:
+            raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {info.vocab_size})", param)
+    return list(ids)
+
+
+def completion_prompts(prompt: Any, info: ModelInfo, special: bool) -> list[tuple[list[int], Optional[str]]]:
+    """(ids, text) per prompt: a string, a list of token ids, or a batch (a list of several of those), as vLLM's."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return [_one_prompt(p, info, f"prompt[{j}]", special) for j, p in enumerate(prompt)]
+    return [_one_prompt(prompt, info, "prompt", special)]
+
+
+def _one_prompt(prompt: Any, info: ModelInfo, where: str, special: bool) -> tuple[list[int], Optional[str]]:
+    if isinstance(prompt, str):
+        return info.tokenizer(prompt, add_special_tokens=special).input_ids, prompt
+    if isinstance(prompt, list):
+        return check_token_ids(prompt, info, where), None
+    if prompt is None:
+        raise bad_request("prompt: field required", "prompt")
+    raise bad_request(f"{where}: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+
+
+def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple[list[int], str, list[dict]]:
+    """`req`: a ChatRequest, or /tokenize's chat form (which has the same rendering fields), so both count alike."""
+    msgs = req.messages
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
+    conv = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"{where}: must be an object with a string 'role'", where)
+        content = m.get("content")
+        if content is None:  # OpenAI: only an assistant message with tool calls may omit it (replayed history)
+            if m.get("role") != "assistant" or not (m.get("tool_calls") or m.get("function_call")):
+                raise bad_request(f"{where}.content: field required", f"{where}.content")
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise bad_request(f"{where}.content[{j}]: only text parts ({{type: text, text}}) are "
+                                      "supported", f"{where}.content")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad_request(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
+        conv.append({**m, "content": content})
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        text = info.tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=bool(req.continue_final_message), **kwargs)
+    except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+    return info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text, conv
+
+
+def truncated(prompts: list, k: Optional[int], side: Optional[str], info: ModelInfo) -> list:
+    """vLLM's truncate_prompt_tokens: at most k tokens of each prompt, the last k unless `side` is right; a cut
+    prompt's text is its ids' (what echo shows)."""
+    if k is None:
+        return prompts
+    k = info.max_model_len if k == -1 else k
+    if k == 0:
+        raise bad_request("truncate_prompt_tokens: must be -1 or at least 1, got 0", "truncate_prompt_tokens")
+    return [(ids, text) if len(ids) <= k else (ids[:k] if side == "right" else ids[-k:], None)
+            for ids, text in prompts]

@@ -25,9 +25,9 @@ class LLM:
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of these.
-        Returns one finished RequestOutput per prompt, in order."""
-        prompts = _as_prompt_list(prompts)
+        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]} (with vLLM's
+        optional "cache_salt"), or a list of these. Returns one finished RequestOutput per prompt, in order."""
+        prompts, salts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -39,10 +39,11 @@ class LLM:
         # n > 1: n requests (child i seeded seed + i), gathered into one output with n completions, by index
         groups: list[list[str]] = []
         try:
-            for p, sp in zip(prompts, params):
+            for p, sp, salt in zip(prompts, params, salts):
                 groups.append([])
                 for i in range(sp.n):
-                    groups[-1].append(self.engine.add_request(p, sp.child(i) if sp.n > 1 else sp).request_id)
+                    groups[-1].append(self.engine.add_request(p, sp.child(i) if sp.n > 1 else sp,
+                                                              cache_salt=salt).request_id)
         except BaseException:  # a prompt refused: none of the batch stays in the engine
             for rid in (r for g in groups for r in g):
                 self.engine.abort_request(rid)
@@ -91,11 +92,13 @@ def _gather(ids: list[str], done: dict[str, RequestOutput]) -> RequestOutput:
     return replace(first, outputs=outs, finished=all(done[rid].finished for rid in ids))
 
 
-def _as_prompt_list(prompts) -> list:
+def _as_prompt_list(prompts) -> tuple[list, list]:
+    """(prompts, their cache salts)."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    out = []
+    out, salts = [], []
     for p in prompts:
+        salts.append(p.get("cache_salt") if isinstance(p, dict) else None)
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
                 out.append(list(p["prompt_token_ids"]))
@@ -107,4 +110,4 @@ def _as_prompt_list(prompts) -> list:
             out.append(p)
         else:
             raise ValueError(f"unsupported prompt type {type(p).__name__}")
-    return out
+    return out, salts

@@ -34,7 +34,8 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: Optional[float] = None,
-                 max_tokens: Optional[int] = None, kv_transfer_params: Optional[dict] = None):
+                 max_tokens: Optional[int] = None, kv_transfer_params: Optional[dict] = None,
+                 cache_salt: Optional[str] = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -63,6 +64,8 @@ class Request:
         self.prompt_logprobs: Optional[list] = None if sampling_params.prompt_logprobs is None else [None]
         self.prompt_logprobs_todo = self.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
+        # vLLM's cache_salt: the first block's hash starts from it, so only requests with the same salt share blocks
+        self.hash_seed: Optional[bytes] = None if cache_salt is None else b"salt:" + cache_salt.encode()
         self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)
         self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV
         self.kv_load_tried = False  # D: the load was started or given up; a failed load recomputes locally

@@ -246,3 +246,25 @@ def test_n_choices_offline_are_the_seeded_children(llm):
         llm.generate(["def f(x):", list(range(3, 600))], sp, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1
+
+
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(qwen3_tiny):
+    """vLLM's cache_salt: a repeated prompt hits the prefix cache under the same salt only (not under another salt,
+    nor unsalted), and the tokens do not depend on it; an empty salt is refused."""
+    llm = LLM(qwen3_tiny, max_model_len=512, block_size=16, enable_prefix_caching=True)
+    prompt = list(range(40, 90))  # 50 tokens: 3 full blocks can hit
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(salt=None):
+        out = llm.generate([{"prompt_token_ids": prompt} | ({"cache_salt": salt} if salt else {})], sp,
+                           use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first = run("tenant-a")
+    assert first[0] == 0
+    assert run("tenant-a") == (48, first[1])
+    assert run("tenant-b") == (0, first[1]) and run() == (0, first[1])
+    assert run() == (48, first[1]) and run("tenant-b")[0] == 48
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.engine.add_request(prompt, sp, cache_salt="")
+    _assert_clean(llm.engine)

@@ -392,7 +392,8 @@ def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
 
 def test_allowed_token_ids_truncation_and_vllm_defaults(http):
     """allowed_token_ids: every token sampled from them; truncate_prompt_tokens: the prompt's last k ids (first k
-    with truncation_side right), as if sent so; vLLM's not-served fields at their defaults are accepted."""
+    with truncation_side right), as if sent so; cache_salt: a prompt hits the prefix cache under its own salt only;
+    vLLM's not-served fields at their defaults are accepted."""
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "seed": 1, "ignore_eos": True,
             "return_token_ids": True}
     got = http.post("/v1/completions", json={**body, "allowed_token_ids": [77, 78, 4000]}).json()
@@ -407,6 +408,10 @@ def test_allowed_token_ids_truncation_and_vllm_defaults(http):
         assert cut["choices"][0]["text"].endswith(alone["choices"][0]["text"])
     whole = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()  # max_model_len
     assert whole["usage"]["prompt_tokens"] == len(ids)
+    salted = {**body, "prompt": list(range(300, 400)), "temperature": 0.0}  # 6 full blocks of 16 to hit
+    cached = [http.post("/v1/completions", json={**salted, **({"cache_salt": s} if s else {})}).json()["usage"].get(
+        "prompt_tokens_details", {}).get("cached_tokens", 0) for s in ("s-1", "s-1", "s-2", None, None, "s-2")]
+    assert cached[0] == cached[2] == cached[3] == 0 and cached[1] == cached[4] == cached[5] > 0, cached
     defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "priority": 0,
                 "structured_outputs": None, "return_tokens_as_token_ids": False}
     assert http.post("/v1/completions", json={**body, **defaults}).status_code == 200
@@ -612,6 +617,7 @@ ERROR_CASES = [
      "logit_bias"),
     ("logit-bias-not-object", "/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, ["logit_bias"],
      "logit_bias"),
+    ("cache-salt-empty", "/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, ["cache_salt"], "cache_salt"),
     ("allowed-empty", "/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, ["allowed_token_ids"],
      "allowed_token_ids"),
     ("allowed-out-of-vocab", "/v1/chat/completions",

@@ -121,8 +121,12 @@ class LLMEngine(EnginePDMixin):
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None) -> Request:
+                    arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None,
+                    cache_salt: Optional[str] = None) -> Request:
+        """`cache_salt` (vLLM's): prefix-cache blocks are shared only among requests with the same salt."""
         params = params or self.default_sampling_params()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}"[:120])
         if params.n != 1:  # one request is one sequence; LLM.generate and the server fan n out (params.child)
             raise ValueError(f"n = {params.n}: the engine takes n = 1 requests; submit params.child(i) for i < n")
         token_ids = self.tokenize(prompt)
@@ -139,7 +143,7 @@ class LLMEngine(EnginePDMixin):
                              "node or being released)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
-                      kv_transfer_params=kv_transfer_params)
+                      kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
         req.detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)

@@ -47,7 +47,7 @@ class KVCacheManager:
     def _update_hashes(self, req: Request) -> None:
         bs, hashes = self.block_size, req.block_hashes
         for i in range(len(hashes), req.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else req.hash_seed, req.all_token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks. It never covers the last token: that token's logits are needed.

@@ -287,7 +287,7 @@ class AsyncEngine:
         return request_id
 
     def submit(self, request_id: str, token_ids: list[int], params, arrival: float,
-               kv_transfer_params: Optional[dict] = None) -> _RequestState:
+               kv_transfer_params: Optional[dict] = None, cache_salt: Optional[str] = None) -> _RequestState:
         """Admit a request (or raise the 503) and send it to the engine loop; read it with `stream(state)`.
         A request id already in flight gets a suffix, so ids stay unique in the engine."""
         self.check_accepting()
@@ -297,7 +297,7 @@ class AsyncEngine:
                            max_tokens=self.info.max_model_len - len(token_ids) if cap is None else cap)
         self._reqs[request_id] = st
         self._num_queued += 1
-        self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params))
+        self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params, cache_salt))
         return st
 
     def abort(self, st: _RequestState) -> None:

@@ -125,15 +125,17 @@ class EngineCore:
 
     def _add(self, cmd: tuple, batch: StepBatch, checked: bool = False) -> None:
         eng = self.engine
-        _, rid, token_ids, params, arrival, kv_params = cmd
+        _, rid, token_ids, params, arrival, kv_params, *more = cmd
+        salt = more[0] if more else None  # vLLM's cache_salt
         try:
             if kv_params is None:
-                eng.add_request(token_ids, params, rid, arrival_time=arrival)
+                eng.add_request(token_ids, params, rid, arrival_time=arrival, cache_salt=salt)
                 return
             if not checked and isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
                 self._checks.submit(rid, eng.check_remote_request(token_ids, params, kv_params), cmd)
                 return
-            eng.add_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params)
+            eng.add_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params,
+                            cache_salt=salt)
             batch.records.append(TokenRecord(rid, [], "", False))  # accepted: the server may answer now
         except ValueError as e:  # what only the engine can check (kv_transfer_params): the client's fault
             self._refuse(rid, kv_params, str(e), batch)

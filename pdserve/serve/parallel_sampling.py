@@ -73,7 +73,7 @@ def submit_children(engine: AsyncEngine, greqs: list[GenerationRequest], request
         for j, greq in enumerate(greqs):
             for i in range(n):
                 states.append(engine.submit(child_id(request_id, i, n, j, len(greqs)), greq.prompt_token_ids,
-                                            greq.params.child(i), arrival))
+                                            greq.params.child(i), arrival, cache_salt=greq.cache_salt))
     except BaseException:  # none of a refused request stays in the engine
         for st in states:
             engine.abort(st)

@@ -75,6 +75,7 @@ class _Common(_Strict):
     truncation_side: Optional[Literal["left", "right"]] = None  # which end truncation cuts (left: keep the last)
     add_special_tokens: Optional[bool] = None  # vLLM's; unset: true for completions, false for chat (the template)
     response_format: Optional[dict] = None
+    cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks shared only among requests with the same salt
 
 
 class CompletionRequest(_Common):
@@ -113,6 +114,7 @@ class GenerationRequest:
     unknown_fields: list[str]
     kv_transfer_params: Optional[dict] = None
     prompt_first_text: Optional[str] = None  # completions echo with logprobs: the first prompt token's text
+    cache_salt: Optional[str] = None
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -166,6 +168,8 @@ def _unsupported(req: _Common) -> None:
         raise bad_request(f"response_format: only type 'text' is supported, got {fmt!r}", "response_format")
     if req.best_of not in (None, 1):
         raise bad_request("best_of: only 1 is supported", "best_of")
+    if req.cache_salt == "":
+        raise bad_request("cache_salt: must be a non-empty string", "cache_salt")
     if isinstance(req, CompletionRequest) and req.suffix:
         raise bad_request("suffix: not supported", "suffix")
     if isinstance(req, ChatRequest):
@@ -275,5 +279,5 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     first = kind == "completion" and bool(req.echo) and logprobs is not None and prompt_lps is not None
     return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                               opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
-                              kv_params, info.tokenizer.decode(ids[:1]) if first else None)
+                              kv_params, info.tokenizer.decode(ids[:1]) if first else None, req.cache_salt)
             for (ids, text), echo in zip(prompts, echoes)]

@@ -71,7 +71,8 @@ class OpenAIServing:
             if greq.params.n > 1 or len(greqs) > 1:
                 return await create_n(self.engine, greqs, request, self.engine.unique_id(request_id), arrival,
                                       "cmpl-" if kind == "completion" else "chatcmpl-", _unless_disconnected)
-            st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params)
+            st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params,
+                                    greq.cache_salt)
         except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now
             self.engine.release_remote_kv(request_id, data.get("kv_transfer_params"))
             raise

@@ -393,6 +393,7 @@ def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
 def test_allowed_token_ids_truncation_and_vllm_defaults(http):
     """allowed_token_ids: every token sampled from them; truncate_prompt_tokens: the prompt's last k ids (first k
     with truncation_side right), as if sent so; cache_salt: a prompt hits the prefix cache under its own salt only;
+    return_tokens_as_token_ids: vLLM's "token_id:<id>" in every logprobs shape (its offsets count them);
     vLLM's not-served fields at their defaults are accepted."""
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "seed": 1, "ignore_eos": True,
             "return_token_ids": True}
@@ -412,6 +413,16 @@ def test_allowed_token_ids_truncation_and_vllm_defaults(http):
     cached = [http.post("/v1/completions", json={**salted, **({"cache_salt": s} if s else {})}).json()["usage"].get(
         "prompt_tokens_details", {}).get("cached_tokens", 0) for s in ("s-1", "s-1", "s-2", None, None, "s-2")]
     assert cached[0] == cached[2] == cached[3] == 0 and cached[1] == cached[4] == cached[5] > 0, cached
+    as_ids = http.post("/v1/completions", json={**body, "logprobs": 2, "echo": True, "max_tokens": 2,
+                                                "return_tokens_as_token_ids": True}).json()["choices"][0]
+    ids = as_ids["prompt_token_ids"] + as_ids["token_ids"]
+    lp = as_ids["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids] and lp["text_offset"][1] == len(f"token_id:{ids[0]}")
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                   "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
+                                                   "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert [c["token"] for c in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
     defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "priority": 0,
                 "structured_outputs": None, "return_tokens_as_token_ids": False}
     assert http.post("/v1/completions", json={**body, **defaults}).status_code == 200

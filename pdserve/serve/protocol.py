@@ -30,8 +30,7 @@ _SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_c
 _NOT_SERVED = {"use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "logprob_token_ids": (),
                "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": (), "watermarking": (), "priority": (0,),
-               "repetition_detection": (), "thinking_token_budget": (), "return_tokens_as_token_ids": (False,),
-               "chat_template": (), "documents": ([],), "logits_processors": ([],)}
+               "repetition_detection": (), "thinking_token_budget": (), "chat_template": (), "documents": ([],), "logits_processors": ([],)}
 
 
 class _Strict(BaseModel):
@@ -76,6 +75,7 @@ class _Common(_Strict):
     add_special_tokens: Optional[bool] = None  # vLLM's; unset: true for completions, false for chat (the template)
     response_format: Optional[dict] = None
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks shared only among requests with the same salt
+    return_tokens_as_token_ids: Optional[bool] = False  # vLLM's: logprob tokens as "token_id:<id>"
 
 
 class CompletionRequest(_Common):
@@ -115,6 +115,7 @@ class GenerationRequest:
     kv_transfer_params: Optional[dict] = None
     prompt_first_text: Optional[str] = None  # completions echo with logprobs: the first prompt token's text
     cache_salt: Optional[str] = None
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -279,5 +280,6 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     first = kind == "completion" and bool(req.echo) and logprobs is not None and prompt_lps is not None
     return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                               opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
-                              kv_params, info.tokenizer.decode(ids[:1]) if first else None, req.cache_salt)
+                              kv_params, info.tokenizer.decode(ids[:1]) if first else None, req.cache_salt,
+                              bool(req.return_tokens_as_token_ids))
             for (ids, text), echo in zip(prompts, echoes)]

@@ -125,6 +125,8 @@ class ResponseBuilder:
     def _logprobs(self, entries: list):
         if self.g.params.logprobs is None:
             return None
+        if self.g.tokens_as_ids:  # vLLM's placeholders, which the text offsets then count too
+            entries = [[(t, v, r, f"token_id:{t}") for t, v, r, _ in e] for e in entries]
         if self.g.kind == "chat":
             return chat_logprobs(entries, self.g.params.logprobs)
         lp, self._offset = completion_logprobs(entries, self._offset)

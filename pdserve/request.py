@@ -63,6 +63,7 @@ class Request:
         # {id: Logprob} as the prefill computes them (the model runner appends; a recompute skips what is here)
         self.prompt_logprobs: Optional[list] = None if sampling_params.prompt_logprobs is None else [None]
         self.prompt_logprobs_todo = self.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
+        self.bad_words_token_ids: Optional[list[list[int]]] = None  # set by the engine (it has the tokenizer)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         # vLLM's cache_salt: the first block's hash starts from it, so only requests with the same salt share blocks
         self.hash_seed: Optional[bytes] = None if cache_salt is None else b"salt:" + cache_salt.encode()

@@ -86,6 +86,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (keys may be int strings)
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled (vLLM's); None: any
+    bad_words: Optional[list[str]] = None  # vLLM's: a word's last token is banned where the output would complete it
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -156,6 +157,10 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative ints, got {ids!r}"[:200])
             self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of str, got {self.bad_words!r}"[:200])
+            self.bad_words = list(self.bad_words) or None
 
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -164,6 +169,22 @@ class SamplingParams:
         # and the sampler never has to special-case them.
         if self.temperature < _SAMPLING_EPS:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def bad_words_token_ids(self, tokenizer) -> Optional[list[list[int]]]:
+        """As vLLM's: each bad word as it tokenizes alone and, when that is another word of as many tokens, after a
+        space (so it is banned at the start of the text and inside it)."""
+        if not self.bad_words:
+            return None
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words: {word!r} tokenizes to no token")
+            out.append(bare)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
 
     @property
     def sampling_type(self) -> str:
@@ -174,7 +195,8 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                        logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
-                       allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids))
+                       allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+                       bad_words=None if self.bad_words is None else list(self.bad_words))
 
     def child(self, index: int) -> "SamplingParams":
         """Parallel sampling (n > 1) runs n requests of n = 1; as vLLM's, child i of a seeded request has seed +

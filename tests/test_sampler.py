@@ -109,6 +109,27 @@ def test_host_and_device_paths_agree_on_a_real_vocabulary():
     assert torch.equal(filtered_probs(logits[rows].clone(), [reqs[i] for i in rows]) > 0, host[rows] > 0)
 
 
+def test_bad_words_ban_the_token_that_would_complete_them():
+    """vLLM's rule over the output (and a speculative position's earlier drafts): a one-token word is always
+    banned, a longer one only where the output ends with all but its last token."""
+    from pdserve.model.sampler import _bad_word_ends
+    words = [[7], [6, 8], [5, 6, 9], [1, 2], [4, 5, 6, 10], [3, 11]]
+    assert _bad_word_ends(words, [5, 6], []) == [7, 8, 9]
+    assert _bad_word_ends(words, [4, 5], [6]) == [7, 8, 9, 10]  # the drafts count as emitted
+    assert _bad_word_ends(words, [], [3]) == [7, 11] and _bad_word_ends(words, [], []) == [7]
+    sp = SamplingParams(temperature=0.0, max_tokens=9, bad_words=["any"])
+    r = Request("r", [1, 2], sp)
+    r.bad_words_token_ids = words
+    for t in (5, 6):
+        r.append_output_token(t)
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 5.0  # greedy's pick, banned after 5, 6
+    tokens, _ = Sampler(torch.device("cpu"), 0)(logits, [r])
+    assert tokens[0] not in (7, 8, 9)
+    out = Sampler(torch.device("cpu"), 0)._apply_penalties(torch.zeros(1, V), [r], [0])
+    assert (out[0] == float("-inf")).nonzero().flatten().tolist() == [7, 8, 9]
+
+
 def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_raw():
     rng, sampler = random.Random(1), Sampler(torch.device("cpu"), 0)
     reqs = [random_request(rng, i) for i in range(16)]

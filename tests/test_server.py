@@ -393,7 +393,8 @@ def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
 def test_allowed_token_ids_truncation_and_vllm_defaults(http):
     """allowed_token_ids: every token sampled from them; truncate_prompt_tokens: the prompt's last k ids (first k
     with truncation_side right), as if sent so; cache_salt: a prompt hits the prefix cache under its own salt only;
-    return_tokens_as_token_ids: vLLM's "token_id:<id>" in every logprobs shape (its offsets count them);
+    return_tokens_as_token_ids: vLLM's "token_id:<id>" in every logprobs shape (its offsets count them); bad_words:
+    the word greedy would write next is not completed (a word of no token is a 400);
     vLLM's not-served fields at their defaults are accepted."""
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "seed": 1, "ignore_eos": True,
             "return_token_ids": True}
@@ -423,6 +424,13 @@ def test_allowed_token_ids_truncation_and_vllm_defaults(http):
                                                    "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
                                                    "return_tokens_as_token_ids": True}).json()["choices"][0]
     assert [c["token"] for c in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+    greedy = http.post("/v1/completions", json={**body, "temperature": 0.0}).json()["choices"][0]
+    word = http.post("/detokenize", json={"tokens": greedy["token_ids"][1:3]}).json()["prompt"]
+    steered = http.post("/v1/completions", json={**body, "temperature": 0.0, "bad_words": [word]}).json()
+    got = steered["choices"][0]["token_ids"]
+    assert got[:1] == greedy["token_ids"][:1] and got[1:3] != greedy["token_ids"][1:3], (word, got)
+    r = http.post("/v1/completions", json={**body, "bad_words": ["   "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
     defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "priority": 0,
                 "structured_outputs": None, "return_tokens_as_token_ids": False}
     assert http.post("/v1/completions", json={**body, **defaults}).status_code == 200
@@ -643,8 +651,8 @@ ERROR_CASES = [
     # vLLM's fields that change the answer and are not served: refused, never quietly dropped
     ("beam-search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, ["use_beam_search"],
      "use_beam_search"),
-    ("bad-words", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bad_words": ["a"]}, 400,
-     ["bad_words", "not supported"], "bad_words"),
+    ("bad-words", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bad_words": "a"}, 400,
+     ["bad_words"], "bad_words"),
     ("structured-outputs", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a+"}}, 400,
      ["structured_outputs"], "structured_outputs"),
     ("guided-json", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,

@@ -99,8 +99,11 @@ def test_penalties_min_tokens_and_stops_match_plain(qwen3_tiny):
     params += [SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_str], logprobs=3),
                SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_str], include_stop_str_in_output=True),
                SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[plain.token_ids[9]], logprobs=2),
-               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=0)]
+               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=0),
+               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,  # words greedy would write
+                              bad_words=[tok.decode(plain.token_ids[2:4]), tok.decode(plain.token_ids[6:7])])]
     ref = llm0.generate([prompt] * len(params), params, use_tqdm=False)
+    assert ref[-1].outputs[0].token_ids[:6] != plain.token_ids[:6]  # the bad words did steer it
     for k in (2, 5):
         llm = LLM(qwen3_tiny, dtype="float64", speculative_config=spec(k))
         outs = llm.generate([prompt] * len(params), params, use_tqdm=False)

@@ -142,8 +142,10 @@ class LLMEngine(EnginePDMixin):
             raise ValueError(f"request id {request_id!r} is still in use (running, or its KV still leased to a decode "
                              "node or being released)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        bad_words = params.bad_words_token_ids(self.tokenizer)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
+        req.bad_words_token_ids = bad_words
         req.detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)

@@ -159,6 +159,10 @@ class Sampler:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 ban_rows += [i] * len(banned)
                 ban_ids += banned
+            if r.bad_words_token_ids:
+                banned = _bad_word_ends(r.bad_words_token_ids, r.output_token_ids, extra)
+                ban_rows += [i] * len(banned)
+                ban_ids += banned
             if sp.logit_bias is not None:
                 biased.append((i, sp.logit_bias))
             if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
@@ -249,9 +253,25 @@ class Sampler:
 
 
 def penalised(req: Request, sp) -> bool:
-    """Whether a row's logits change before sampling: min_tokens, a logit bias, allowed ids or a penalty."""
+    """Whether a row's logits change before sampling: min_tokens, a logit bias, allowed ids, bad words or a
+    penalty."""
     return req.num_output_tokens < sp.min_tokens or sp.repetition_penalty != 1.0 or bool(
-        sp.presence_penalty or sp.frequency_penalty) or sp.logit_bias is not None or sp.allowed_token_ids is not None
+        sp.presence_penalty or sp.frequency_penalty) or sp.logit_bias is not None or sp.allowed_token_ids is not None \
+        or sp.bad_words is not None
+
+
+def _bad_word_ends(words: list[list[int]], output: list[int], extra: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens the output (then `extra`, a position's earlier drafts)
+    ends with: vLLM's rule, over the output only."""
+    out = []
+    for w in words:
+        k = len(w) - 1
+        if k > len(output) + len(extra):
+            continue
+        tail = extra[len(extra) - k:] if k <= len(extra) else output[len(output) - (k - len(extra)):] + extra
+        if k == 0 or tail == w[:-1]:
+            out.append(w[-1])
+    return out
 
 
 def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:

@@ -23,11 +23,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-a
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n",
-                    "logit_bias", "allowed_token_ids")
+                    "logit_bias", "allowed_token_ids", "bad_words")
 _SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_completion_tokens", "top_logprobs"}
 # vLLM's request fields that change what is generated and that pdserve does not serve, with the values that ask for
 # nothing: any other value is a 400 naming the field, never an answer that quietly went without it
-_NOT_SERVED = {"use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "logprob_token_ids": (),
+_NOT_SERVED = {"use_beam_search": (False,), "length_penalty": (1,), "logprob_token_ids": (),
                "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": (), "watermarking": (), "priority": (0,),
                "repetition_detection": (), "thinking_token_budget": (), "chat_template": (), "documents": ([],), "logits_processors": ([],)}
@@ -70,6 +70,7 @@ class _Common(_Strict):
     return_token_ids: Optional[bool] = False  # vLLM: token ids in the choices and the prompt's in the response
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and top N
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: only these may be sampled
+    bad_words: Optional[list[str]] = None  # vLLM's: never completed in the output
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # vLLM's: keep k prompt tokens (-1: max_model_len)
     truncation_side: Optional[Literal["left", "right"]] = None  # which end truncation cuts (left: keep the last)
     add_special_tokens: Optional[bool] = None  # vLLM's; unset: true for completions, false for chat (the template)
@@ -195,6 +196,10 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
     check_token_ids(params.stop_token_ids, info, "stop_token_ids")
     check_token_ids(list(params.logit_bias or ()), info, "logit_bias")
     check_token_ids(params.allowed_token_ids or [], info, "allowed_token_ids")
+    try:  # here, not in the engine loop: a word of no token is the client's 400
+        params.bad_words_token_ids(info.tokenizer)
+    except ValueError as e:
+        raise bad_request(str(e), "bad_words") from None
     return params
 
 

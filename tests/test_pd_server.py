@@ -183,7 +183,24 @@ def test_a_prompt_batch_or_prompt_logprobs_through_the_router(deployment, fields
                    json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     assert p.status_code == 200 and "kv_transfer_params" not in p.json(), p.text
     assert all("prompt_logprobs" not in ch for ch in p.json()["choices"])
+    for _ in range(2):  # P's own prefix-cache hit is not named: vllm-router would put it in D's usage
+        again = httpx.post(deployment["P"].url + "/v1/completions", timeout=30, json={
+            "prompt": "def g(y):\n" * 20, "n": 2, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert again.status_code == 200 and "prompt_tokens_details" not in again.json()["usage"], again.text
     wait_pools_whole(deployment["P"], deployment["D"])
+
+
+def test_router_relays_what_every_node_answers_alike(deployment):
+    """/tokenize, /detokenize, /v1/models and /version through pdserve's router are a decode node's answers; an
+    unknown route is a 404 in OpenAI's error shape."""
+    r, d = deployment["R"].url, deployment["D"].url
+    for method, path, body in (("POST", "/tokenize", {"prompt": "def f(x):", "return_token_strs": True}),
+                               ("POST", "/detokenize", {"tokens": [5, 6, 7]}), ("GET", "/v1/models", None),
+                               ("GET", "/version", None), ("POST", "/tokenize", {"prompt": 5})):
+        via, direct = (httpx.request(method, u + path, json=body, timeout=30) for u in (r, d))
+        assert (via.status_code, via.json()) == (direct.status_code, direct.json()), path
+    missing = httpx.get(r + "/v1/nope", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404, missing.text
 
 
 def test_zz_prefill_node_gone_requests_still_complete(deployment):

@@ -371,6 +371,18 @@ def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(http, llm):
     assert "".join(ch["text"] for ch in chunks) == whole["text"] and chunks[0]["text"].startswith(prompt)
     streamed = {k: [x for ch in chunks for x in ch["logprobs"][k]] for k in whole["logprobs"]}
     assert streamed == whole["logprobs"] and len(streamed["tokens"]) == n_prompt + 3  # offsets run on across chunks
+    # max_tokens 0 with echo (scoring a text, as vLLM): the prompt and its logprobs alone, full or streamed
+    only = {**body, "prompt": prompt, "max_tokens": 0, "return_token_ids": True}
+    scored = http.post("/v1/completions", json=only).json()
+    sc = scored["choices"][0]
+    assert sc["text"] == prompt and sc["token_ids"] == [] and scored["usage"]["completion_tokens"] == 0
+    assert sc["logprobs"]["tokens"] == lp["tokens"][:n_prompt] and sc["logprobs"]["token_logprobs"][0] is None
+    with http.stream("POST", "/v1/completions", json={**only, "stream": True}) as st:
+        events = [json.loads(x[6:])["choices"][0] for x in st.iter_lines() if x.startswith("data: {")]
+    assert "".join(e["text"] for e in events) == prompt and [t for e in events for t in e["logprobs"]["tokens"]] \
+        == sc["logprobs"]["tokens"]
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and "0 only with echo" in r.json()["error"]["message"]
     # an explicit, larger prompt_logprobs: its own field has them all, the legacy shape `logprobs` + 1 at most
     wide = http.post("/v1/completions", json={**body, "prompt": prompt, "prompt_logprobs": 5}).json()["choices"][0]
     assert max(len(e) for e in wide["prompt_logprobs"][1:]) >= 5
@@ -658,6 +670,9 @@ ERROR_CASES = [
     ("guided-json", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
      ["guided_json"], "guided_json"),
     ("priority", "/v1/completions", {"prompt": "x", "priority": 3}, 400, ["priority"], "priority"),
+    ("functions", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                           "functions": [{"name": "f", "parameters": {}}]}, 400, ["functions"],
+     "functions"),
     ("chat-template", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, 400, ["chat_template"],
      "chat_template"),

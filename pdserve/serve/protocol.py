@@ -30,7 +30,8 @@ _SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_c
 _NOT_SERVED = {"use_beam_search": (False,), "length_penalty": (1,), "logprob_token_ids": (),
                "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": (), "watermarking": (), "priority": (0,),
-               "repetition_detection": (), "thinking_token_budget": (), "chat_template": (), "documents": ([],), "logits_processors": ([],)}
+               "repetition_detection": (), "thinking_token_budget": (), "chat_template": (),
+               "functions": ([],), "function_call": ("none",), "documents": ([],), "logits_processors": ([],)}
 
 
 class _Strict(BaseModel):
@@ -117,6 +118,8 @@ class GenerationRequest:
     prompt_first_text: Optional[str] = None  # completions echo with logprobs: the first prompt token's text
     cache_salt: Optional[str] = None
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
+    report_cached: bool = True  # usage names prefix-cache hits (not when P serves a router a request D redoes)
+    echo_only: bool = False  # completions max_tokens 0 with echo: the answer is the prompt alone
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -253,10 +256,13 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
                           "prompt's logprobs in its first chunk)", "prompt_logprobs")
     if req.stream and not (kind == "completion" and req.echo and logprobs is not None):
         prompt_lps = None  # a stream carries them only as completions echo's logprobs: not computed for nothing
+    echo_only = kind == "completion" and bool(req.echo) and max_tokens == 0
+    if echo_only:  # as vLLM: the prompt (and its logprobs) alone; the engine's one token is left out of the answer
+        max_tokens = 1
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{mt_name}: must be at least 1, got {max_tokens}", mt_name)
+        raise bad_request(f"{mt_name}: must be at least 1 (0 only with echo), got {max_tokens}", mt_name)
     params = _sampling_params(req, max_tokens, logprobs, info, prompt_lps)
-    kv_params = req.kv_transfer_params
+    kv_params, report_cached = req.kv_transfer_params, True
     local_only = prompt_lps is not None or params.n > 1 or len(prompts) > 1
     if kv_params is not None and local_only and kv_params.get("do_remote_decode") is True and \
             not kv_params.get("do_remote_prefill"):
@@ -266,6 +272,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         logger.info("not served P/D (n > 1, a batch or prompt logprobs): no kv_transfer_params in the answer")
         kv_params, prompt_lps, echoes = None, None, [""] * len(prompts)
         params.prompt_logprobs = None
+        # vllm-router also takes P's cached_tokens for D's usage where D reports none: not this run's
+        report_cached = False
     if kv_params is not None:  # a P/D transfer carries one sequence's KV
         if prompt_lps is not None:  # imported KV has no logits: every prompt position must be computed here
             raise bad_request("prompt_logprobs: prompt logprobs (or echo with logprobs) are not served with "
@@ -286,5 +294,5 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                               opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
                               kv_params, info.tokenizer.decode(ids[:1]) if first else None, req.cache_salt,
-                              bool(req.return_tokens_as_token_ids))
+                              bool(req.return_tokens_as_token_ids), report_cached, echo_only)
             for (ids, text), echo in zip(prompts, echoes)]

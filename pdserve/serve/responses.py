@@ -99,10 +99,11 @@ class ResponseBuilder:
         self._echo_waits = greq.prompt_first_text is not None
 
     def add(self, rec: TokenRecord) -> None:
-        self.text_parts.append(rec.delta_text)
-        self.token_ids.extend(rec.new_token_ids)
-        if rec.logprobs:
-            self.logprob_entries.extend(rec.logprobs)
+        if not self.g.echo_only:
+            self.text_parts.append(rec.delta_text)
+            self.token_ids.extend(rec.new_token_ids)
+            if rec.logprobs:
+                self.logprob_entries.extend(rec.logprobs)
         self.num_cached = rec.num_cached_tokens or self.num_cached
         self.timing = self.timing or rec.timing
         self.kv_unused = self.kv_unused or rec.kv_unused
@@ -120,7 +121,8 @@ class ResponseBuilder:
         for b in self.siblings:
             cached[id(b.g)] = max(cached.get(id(b.g), 0), b.num_cached)
         prompts = {id(b.g): len(b.g.prompt_token_ids) for b in self.siblings}
-        return usage(sum(prompts.values()), sum(len(b.token_ids) for b in self.siblings), sum(cached.values()))
+        return usage(sum(prompts.values()), sum(len(b.token_ids) for b in self.siblings),
+                     sum(cached.values()) if self.g.report_cached else 0)
 
     def _logprobs(self, entries: list):
         if self.g.params.logprobs is None:
@@ -204,6 +206,8 @@ class ResponseBuilder:
         text = "".join(r.delta_text for r in recs)
         ids = [t for r in recs for t in r.new_token_ids]
         entries = [e for r in recs for e in (r.logprobs or ())]
+        if self.g.echo_only:
+            text, ids, entries = "", [], []
         echoed = self._echo_waits and self.prompt_lps is not None
         if echoed:  # the prompt, its logprobs first, with the first token (vLLM's first chunk)
             self._echo_waits = False

@@ -57,6 +57,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdserve.serve.router_nodes import Fleet, Node, error_of
@@ -303,16 +304,39 @@ def build_app(router: Router) -> FastAPI:
     async def chat(request: Request):
         return await router.handle(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
-    async def models():
+    async def on_a_decode_node(request: Request, path: str) -> Response:
+        """What every node answers alike (the model, its tokenizer): relayed from a healthy decode node."""
         node = router.decode.pick()
         if node is None:
             return error(503, "no healthy decode node", "service_unavailable")
+        headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type", "x-request-id")}
         try:
-            r = await router.client.get(node.url + "/v1/models")
+            r = await router.client.request(request.method, node.url + path, content=await request.body(),
+                                            headers=headers)
         except httpx.HTTPError as e:
             return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
-        return Response(r.content, r.status_code, media_type="application/json")
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type", "application/json"))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await on_a_decode_node(request, "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await on_a_decode_node(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await on_a_decode_node(request, "/detokenize")
+
+    @app.get("/version")
+    async def version(request: Request):
+        return await on_a_decode_node(request, "/version")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # OpenAI's shape, as the nodes answer
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), kind)
 
     @app.get("/health")
     async def health():

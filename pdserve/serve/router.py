@@ -317,21 +317,13 @@ def build_app(router: Router) -> FastAPI:
             return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type", "application/json"))
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await on_a_decode_node(request, "/v1/models")
+    def relayed(path: str):
+        async def relay(request: Request):
+            return await on_a_decode_node(request, path)
+        return relay
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await on_a_decode_node(request, "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await on_a_decode_node(request, "/detokenize")
-
-    @app.get("/version")
-    async def version(request: Request):
-        return await on_a_decode_node(request, "/version")
+    for method, path in (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version")):
+        app.add_api_route(path, relayed(path), methods=[method])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # OpenAI's shape, as the nodes answer

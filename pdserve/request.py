@@ -64,6 +64,7 @@ class Request:
         self.prompt_logprobs: Optional[list] = None if sampling_params.prompt_logprobs is None else [None]
         self.prompt_logprobs_todo = self.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
         self.bad_words_token_ids: Optional[list[list[int]]] = None  # set by the engine (it has the tokenizer)
+        self.allowed_idx = None  # the sampler's tensor of sampling_params.allowed_token_ids, made on first use
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         # vLLM's cache_salt: the first block's hash starts from it, so only requests with the same salt share blocks
         self.hash_seed: Optional[bytes] = None if cache_salt is None else b"salt:" + cache_salt.encode()

@@ -10,6 +10,8 @@ from typing import Any, Optional, Union
 _SAMPLING_EPS = 1e-5
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-100, 100], as OpenAI documents
+# vLLM's caps on bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): every step checks each word
+_MAX_BAD_WORDS, _MAX_BAD_WORD_TOKENS = 128, 1024
 # Keys vLLM copies from a model's generation_config.json into the default params.
 _GEN_CFG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -177,6 +179,8 @@ class SamplingParams:
             return None
         out: list[list[int]] = []
         for word in self.bad_words:
+            if len(out) > _MAX_BAD_WORDS:  # refused below; the rest of a huge list is never tokenized
+                break
             bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
             if not bare:
                 raise ValueError(f"bad_words: {word!r} tokenizes to no token")
@@ -184,6 +188,9 @@ class SamplingParams:
             spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 out.append(spaced)
+        if len(out) > _MAX_BAD_WORDS or sum(map(len, out)) > _MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words: at most {_MAX_BAD_WORDS} words ({_MAX_BAD_WORD_TOKENS} tokens) after "
+                             "tokenization, as vLLM's")
         return out
 
     @property

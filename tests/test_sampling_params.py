@@ -75,6 +75,22 @@ def test_logit_bias_keys_are_ids_and_values_are_clamped_as_vllm():
     assert p.logit_bias[5] == 3.0
 
 
+def test_bad_words_tokenize_as_vllm_within_its_caps():
+    class Tok:  # a word is one token per character; after a space, the space joins the first character's token
+        def encode(self, text, add_special_tokens=False):
+            return [1000 + ord(text[1])] + [ord(c) for c in text[2:]] if text.startswith(" ") else \
+                [ord(c) for c in text]
+    assert SamplingParams(bad_words=[" ab", "c"]).bad_words_token_ids(Tok()) == [
+        [97, 98], [1097, 98], [99], [1099]]
+    with pytest.raises(ValueError, match="tokenizes to no token"):
+        SamplingParams(bad_words=["   "]).bad_words_token_ids(Tok())
+    with pytest.raises(ValueError, match="at most 128 words"):  # two tokenizations each: 65 words are 130
+        SamplingParams(bad_words=[chr(200 + i) for i in range(65)]).bad_words_token_ids(Tok())
+    with pytest.raises(ValueError, match="1024 tokens"):
+        SamplingParams(bad_words=["x" * 600, "y" * 600]).bad_words_token_ids(Tok())
+    assert len(SamplingParams(bad_words=[chr(200 + i) for i in range(64)]).bad_words_token_ids(Tok())) == 128
+
+
 def test_sampling_type_and_greedy():
     assert SamplingParams(temperature=0.0).sampling_type == "greedy"
     assert SamplingParams(temperature=5e-6, seed=3).sampling_type == "greedy"

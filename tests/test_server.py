@@ -436,6 +436,8 @@ def test_allowed_token_ids_truncation_and_vllm_defaults(http):
                                                    "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
                                                    "return_tokens_as_token_ids": True}).json()["choices"][0]
     assert [c["token"] for c in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+    texts = [bytes(c["bytes"]).decode(errors="replace") for c in chat["logprobs"]["content"]]
+    assert "".join(texts) == chat["message"]["content"]  # the chosen token's bytes stay its text's, as vLLM's
     greedy = http.post("/v1/completions", json={**body, "temperature": 0.0}).json()["choices"][0]
     word = http.post("/detokenize", json={"tokens": greedy["token_ids"][1:3]}).json()["prompt"]
     steered = http.post("/v1/completions", json={**body, "temperature": 0.0, "bad_words": [word]}).json()

@@ -232,6 +232,21 @@ def test_each_position_is_penalised_as_if_its_drafts_were_emitted(sp):
     assert not torch.equal(ours, blind)  # the drafts did change some target: the test sees them ignored
 
 
+def test_a_bad_word_is_banned_after_a_draft_that_starts_it():
+    """Position j of a drafting row bans a bad word's last token when the output plus drafts 0..j-1 end with the
+    rest of the word, and only there."""
+    from pdserve.model.sampler import Sampler
+    from pdserve.request import Request
+    from pdserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID as PH
+    r = Request("r", [1, 2], SamplingParams(temperature=0.0, max_tokens=20, bad_words=["w"]), frozenset({0}))
+    r.append_output_token(4)
+    r.bad_words_token_ids = [[6, 7], [4, 9, 8]]
+    out = verifier.penalised_logits(Sampler(torch.device("cpu"), 0), torch.zeros(4, 24, dtype=torch.float64),
+                                    [r], [[6, 9, PH]])
+    banned = [(out[j] == float("-inf")).nonzero().flatten().tolist() for j in range(4)]
+    assert banned == [[], [7], [], []], banned
+
+
 def test_disable_by_batch_size_drafts_nothing_and_stays_on_q1_graphs(qwen3_tiny):
     """With 3 running and disable_by_batch_size 3, no step drafts; the q = 1 decode steps still ride FULL. Once
     requests finish (the short ones), the rest draft again."""

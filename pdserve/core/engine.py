@@ -131,6 +131,10 @@ class LLMEngine(EnginePDMixin):
             raise ValueError(f"n = {params.n}: the engine takes n = 1 requests; submit params.child(i) for i < n")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
+        bad_words = params.bad_words_token_ids(self.tokenizer)
+        bad = next((t for w in bad_words or () for t in w if t >= self.vocab_size), None)
+        if bad is not None:  # a tokenizer larger than the model: the ban would index past the logits
+            raise ValueError(f"bad_words: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
         if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
             raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
         if kv_transfer_params is not None:
@@ -142,7 +146,6 @@ class LLMEngine(EnginePDMixin):
             raise ValueError(f"request id {request_id!r} is still in use (running, or its KV still leased to a decode "
                              "node or being released)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        bad_words = params.bad_words_token_ids(self.tokenizer)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
         req.bad_words_token_ids = bad_words
@@ -162,13 +165,13 @@ class LLMEngine(EnginePDMixin):
         return any(request_id in d for d in (s.requests, s.leased, s.deferred_free, self.kv.req_blocks))
 
     def add_prefilled_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                              request_id: Optional[str] = None) -> Request:
+                              request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> Request:
         """D-side arrival driver without P (as vLLM's DecodeBenchConnector): the first n - 1 prompt tokens get real
         KV from a separate local prefill pass (after any prefix-cache hit), then the request waits to be scheduled
         as the one-token replay of its last prompt token, exactly as a request whose KV came from a prefill node."""
         if params is not None and params.prompt_logprobs is not None:
             raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
-        req = self.add_request(prompt, params, request_id)
+        req = self.add_request(prompt, params, request_id, cache_salt=cache_salt)
         n = req.num_prompt_tokens
         if n < 2:
             return req  # nothing to import: it is a fresh one-token prompt

@@ -148,7 +148,7 @@ class Sampler:
         position's earlier drafts; never placeholders)."""
         for i, r in zip(pos, reqs):
             if r.sampling_params.allowed_token_ids is not None:
-                _keep_only(logits, i, r.sampling_params.allowed_token_ids)
+                _keep_only(logits, i, r)
         ban_rows, ban_ids = [], []
         biased = []
         counted, counted_pos, counted_extra = [], [], []
@@ -274,9 +274,12 @@ def _bad_word_ends(words: list[list[int]], output: list[int], extra: list[int]) 
     return out
 
 
-def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:
-    """Every logit of `row` but those of `ids` set to -inf (one vocabulary-wide write)."""
-    idx = torch.tensor(ids, device=logits.device)
+def _keep_only(logits: torch.Tensor, row: int, req: Request) -> None:
+    """Every logit of `row` but those of the request's allowed ids set to -inf (one vocabulary-wide write); the ids'
+    tensor is made once per request (a copy to the device per step and position otherwise)."""
+    idx = req.allowed_idx
+    if idx is None or idx.device != logits.device:
+        idx = req.allowed_idx = torch.tensor(req.sampling_params.allowed_token_ids, device=logits.device)
     keep = logits[row, idx]
     logits[row] = float("-inf")
     logits[row, idx] = keep

@@ -200,9 +200,10 @@ def _sampling_params(req: _Common, max_tokens: Optional[int], logprobs: Optional
     check_token_ids(list(params.logit_bias or ()), info, "logit_bias")
     check_token_ids(params.allowed_token_ids or [], info, "allowed_token_ids")
     try:  # here, not in the engine loop: a word of no token is the client's 400
-        params.bad_words_token_ids(info.tokenizer)
+        words = params.bad_words_token_ids(info.tokenizer)
     except ValueError as e:
         raise bad_request(str(e), "bad_words") from None
+    check_token_ids([t for w in words or () for t in w], info, "bad_words")
     return params
 
 

@@ -55,13 +55,18 @@ def prompt_logprobs_json(entries: list) -> list:
                                     for t, v, r, s in e} for e in entries]
 
 
-def chat_logprobs(entries: list, top_n: int) -> dict:
+def chat_logprobs(entries: list, top_n: int, as_ids: bool = False) -> dict:
+    """OpenAI's chat shape; `as_ids`: vLLM's return_tokens_as_token_ids (the chosen token's bytes stay its text's,
+    as vLLM's)."""
     content = []
     for entry in entries:
-        _, lp, _, text = entry[0]
+        tok, lp, _, text = entry[0]
         text = _tok(text)
         top = sorted(entry, key=lambda r: r[2])[:top_n]
-        content.append({"token": text, "logprob": max(lp, _MIN_LOGPROB), "bytes": list(text.encode()),
+        if as_ids:
+            top = [(t, v, r, f"token_id:{t}") for t, v, r, _ in top]
+        content.append({"token": f"token_id:{tok}" if as_ids else text, "logprob": max(lp, _MIN_LOGPROB),
+                        "bytes": list(text.encode()),
                         "top_logprobs": [{"token": _tok(t), "logprob": max(v, _MIN_LOGPROB),
                                           "bytes": list(_tok(t).encode())} for _, v, _, t in top]})
     return {"content": content}
@@ -127,10 +132,10 @@ class ResponseBuilder:
     def _logprobs(self, entries: list):
         if self.g.params.logprobs is None:
             return None
+        if self.g.kind == "chat":
+            return chat_logprobs(entries, self.g.params.logprobs, self.g.tokens_as_ids)
         if self.g.tokens_as_ids:  # vLLM's placeholders, which the text offsets then count too
             entries = [[(t, v, r, f"token_id:{t}") for t, v, r, _ in e] for e in entries]
-        if self.g.kind == "chat":
-            return chat_logprobs(entries, self.g.params.logprobs)
         lp, self._offset = completion_logprobs(entries, self._offset)
         return lp
 
@@ -179,7 +184,8 @@ class ResponseBuilder:
         obj = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.g.model,
                "choices": [choice]}
         if self.g.continuous_usage:  # this choice's tokens so far, as vLLM's (the final usage sums the choices)
-            obj["usage"] = usage(len(self.g.prompt_token_ids), len(self.token_ids), self.num_cached)
+            obj["usage"] = usage(len(self.g.prompt_token_ids), len(self.token_ids),
+                                 self.num_cached if self.g.report_cached else 0)
         return obj
 
     def first_chunks(self) -> str:

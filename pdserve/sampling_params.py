@@ -174,9 +174,13 @@ class SamplingParams:
 
     def bad_words_token_ids(self, tokenizer) -> Optional[list[list[int]]]:
         """As vLLM's: each bad word as it tokenizes alone and, when that is another word of as many tokens, after a
-        space (so it is banned at the start of the text and inside it)."""
+        space (so it is banned at the start of the text and inside it). Kept on the params (and their clones): the
+        server checks them, the engine then uses them, with the one model's tokenizer."""
         if not self.bad_words:
             return None
+        cached = getattr(self, "_bad_words_ids", None)
+        if cached is not None:
+            return cached
         out: list[list[int]] = []
         for word in self.bad_words:
             if len(out) > _MAX_BAD_WORDS:  # refused below; the rest of a huge list is never tokenized
@@ -191,6 +195,7 @@ class SamplingParams:
         if len(out) > _MAX_BAD_WORDS or sum(map(len, out)) > _MAX_BAD_WORD_TOKENS:
             raise ValueError(f"bad_words: at most {_MAX_BAD_WORDS} words ({_MAX_BAD_WORD_TOKENS} tokens) after "
                              "tokenization, as vLLM's")
+        self._bad_words_ids = out
         return out
 
     @property
@@ -200,10 +205,13 @@ class SamplingParams:
         return "random_seed" if self.seed is not None else "random"
 
     def clone(self) -> "SamplingParams":
-        return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-                       logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
-                       allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
-                       bad_words=None if self.bad_words is None else list(self.bad_words))
+        c = replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                    logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+                    allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+                    bad_words=None if self.bad_words is None else list(self.bad_words))
+        if getattr(self, "_bad_words_ids", None) is not None:  # the same words: never tokenized again
+            c._bad_words_ids = self._bad_words_ids
+        return c
 
     def child(self, index: int) -> "SamplingParams":
         """Parallel sampling (n > 1) runs n requests of n = 1; as vLLM's, child i of a seeded request has seed +

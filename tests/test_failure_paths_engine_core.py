@@ -67,7 +67,7 @@ class Loop:
         return [r for r in self.records[rid] if r.finished][-1]
 
     def add(self, rid: str, tokens, params=SP):
-        self.inbox.put(("add", rid, list(tokens), params, time.monotonic(), None))
+        self.inbox.put(("add", rid, list(tokens), params, time.monotonic(), None, None))
 
     def ask(self, op: str, arg, qid: int):
         self.inbox.put((op, qid, arg))

@@ -110,7 +110,7 @@ def test_the_engine_stops_cleanly_when_the_server_goes_away(qwen3_tiny, monkeypa
         assert isinstance(out_recv.recv(), EngineInfo)
         sp = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)
         for rid in ("a", "b"):
-            cmd_send.send(("add", rid, [5, 6, 7, 8], sp, time.monotonic(), None))
+            cmd_send.send(("add", rid, [5, 6, 7, 8], sp, time.monotonic(), None, None))
         deadline = time.monotonic() + 20
         while True:  # until both generate
             assert out_recv.poll(max(deadline - time.monotonic(), 0.01)), "no tokens"

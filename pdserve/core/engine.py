@@ -131,10 +131,6 @@ class LLMEngine(EnginePDMixin):
             raise ValueError(f"n = {params.n}: the engine takes n = 1 requests; submit params.child(i) for i < n")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
-        bad_words = params.bad_words_token_ids(self.tokenizer)
-        bad = next((t for w in bad_words or () for t in w if t >= self.vocab_size), None)
-        if bad is not None:  # a tokenizer larger than the model: the ban would index past the logits
-            raise ValueError(f"bad_words: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
         if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
             raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
         if kv_transfer_params is not None:
@@ -148,7 +144,7 @@ class LLMEngine(EnginePDMixin):
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
-        req.bad_words_token_ids = bad_words
+        req.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)  # tokenized by validate_prompt
         req.detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
@@ -214,8 +210,11 @@ class LLMEngine(EnginePDMixin):
         bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:  # the min_tokens ban indexes the logits with them
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        for name in ("logit_bias", "allowed_token_ids"):  # both index the logits
-            bad = next((t for t in getattr(params, name) or () if t >= self.vocab_size), None)
+        # these index the logits (bad words: a tokenizer larger than the model would ban past them)
+        words = [t for w in params.bad_words_token_ids(self.tokenizer) or () for t in w]
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()), ("bad_words", words)):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         n = len(token_ids)

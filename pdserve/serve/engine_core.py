@@ -125,8 +125,7 @@ class EngineCore:
 
     def _add(self, cmd: tuple, batch: StepBatch, checked: bool = False) -> None:
         eng = self.engine
-        _, rid, token_ids, params, arrival, kv_params, *more = cmd
-        salt = more[0] if more else None  # vLLM's cache_salt
+        _, rid, token_ids, params, arrival, kv_params, salt = cmd  # salt: vLLM's cache_salt
         try:
             if kv_params is None:
                 eng.add_request(token_ids, params, rid, arrival_time=arrival, cache_salt=salt)

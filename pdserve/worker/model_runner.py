@@ -77,6 +77,9 @@ class ModelRunner:
                                     max_blocks_per_req=cdiv(max_model_len, self.block_size),
                                     block_size=self.block_size, device=device)
         self.sampler = Sampler(device, config.model.seed)
+        # the most positions one step scores (each row's 1 + K): the start-up profile's sampler pass, and so the
+        # most a prompt-logprobs LM-head pass may take at once
+        self.max_scored = sched.max_num_seqs * self.uniform_query_len
         self.spec_stats = SpecDecodeStats()
         self.logits_hook = None  # tests: called as hook(requests, logits) for every sampling step
         self.full_graphs = FullGraphRunner(self.model, self.buffers, d.hidden_size, dtype, device)
@@ -144,7 +147,7 @@ class ModelRunner:
         prefill = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - n, n) for i, n in enumerate(lens)]
         decode = [ScheduledRow(Request(f"profile{i}", [0] * n_max, sp), n_max - 1, 1) for i in range(seqs)]
         # the sampler's memory does not grow with the prompt (penalties touch each row's distinct ids): one token
-        scored = [Request(f"profile{i}", [0], sp) for i in range(seqs * self.uniform_query_len)]
+        scored = [Request(f"profile{i}", [0], sp) for i in range(self.max_scored)]
         for rows in (prefill, decode):
             hidden = self.forward(self.buffers.prepare(rows, lambda _: null))
             self.sampler(self.model.compute_logits(hidden[:1].expand(len(scored), -1)), scored)
@@ -212,8 +215,7 @@ class ModelRunner:
             hidden_all = self.forward_all(batch)
         hidden = hidden_all[batch.logits_indices]
         if any(map(wants_prompt_logprobs, rows)):
-            add_prompt_logprobs(self.model, hidden_all, rows, batch.starts, batch.order,
-                                self.config.scheduler.max_num_seqs * self.uniform_query_len)
+            add_prompt_logprobs(self.model, hidden_all, rows, batch.starts, batch.order, self.max_scored)
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
         return self.sample(rows, batch, hidden)
 

@@ -209,7 +209,11 @@ class SamplingParams:
                     logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
                     allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
                     bad_words=None if self.bad_words is None else list(self.bad_words))
-        if getattr(self, "_bad_words_ids", None) is not None:  # the same words: never tokenized again
+        return self._keeps_tokenized(c)
+
+    def _keeps_tokenized(self, c: "SamplingParams") -> "SamplingParams":
+        """`c` (a copy with the same bad words) keeps their tokenization: never tokenized again."""
+        if getattr(self, "_bad_words_ids", None) is not None:
             c._bad_words_ids = self._bad_words_ids
         return c
 
@@ -217,7 +221,7 @@ class SamplingParams:
         """Parallel sampling (n > 1) runs n requests of n = 1; as vLLM's, child i of a seeded request has seed +
         i (wrapped into the 64-bit range), so the n samples differ and each is reproducible."""
         seed = None if self.seed is None else (self.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
-        return replace(self.clone(), n=1, seed=seed)
+        return self._keeps_tokenized(replace(self.clone(), n=1, seed=seed))
 
     @classmethod
     def from_generation_config(cls, gen_cfg: Any, **overrides: Any) -> "SamplingParams":

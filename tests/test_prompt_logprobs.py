@@ -40,9 +40,10 @@ def check(out, prompt, ref) -> None:
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(max_num_batched_tokens=16, block_size=16),  # chunks on block edges; 17 and 33 end one token past one
+    # chunks on block edges (17 and 33 end one token past one); an odd max_model_len, 70 + 12 tokens fit in 83
+    dict(max_num_batched_tokens=16, block_size=16, max_model_len=83),
     dict(max_num_batched_tokens=64, block_size=16, long_prefill_token_threshold=7),  # 7-token chunks, mid-block
-    dict(max_num_batched_tokens=128, block_size=16, num_gpu_blocks_override=9, max_num_seqs=6, max_model_len=128),
+    dict(max_num_batched_tokens=128, block_size=16, num_gpu_blocks_override=9, max_num_seqs=6, max_model_len=101),
     # one-token chunks past the first: mid-prompt rows that are decode-shaped ride FULL steps (q = 1)
     dict(max_num_batched_tokens=64, block_size=16, long_prefill_token_threshold=1),
     # 4-token chunks beside drafting rows: prompt rows on FULL steps at q = 1 + K

@@ -53,9 +53,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model.make_model import ensure_model
 from pdserve.transfer.base import LoadJob
-from pdserve.transfer.handshake import client_handshake
-from pdserve.transfer.protocol import _move, tune
-from pdserve.transfer.tcp import BLOCKS_PER_READ, TcpConnector
+from pdserve.transfer.channel.handshake import client_handshake
+from pdserve.transfer.channel.protocol import _move, tune
+from pdserve.transfer.tcp.connector import BLOCKS_PER_READ, TcpConnector
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -36,7 +36,7 @@ from pdserve import LLM
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model.make_model import ensure_model
 from pdserve.transfer.base import ConnectorMeta, LoadJob
-from pdserve.transfer.tcp import TcpConnector
+from pdserve.transfer.tcp.connector import TcpConnector
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory_gb=0.3, max_num_seqs=16, max_num_batched_tokens=512)
 KV = {"kv_auth_token": "bench", "kv_lease_seconds": 600.0, "kv_transfer_timeout": 30.0}

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/nixl_probe.py          # writes benchmarks/results/nixl_probe.json
 
 P (a child process) registers a KV cache shaped like the small model's (12 layers of [2, blocks, 16, 4, 64] float32:
-16 KiB per layer, K or V and block; 384 KiB a block) through pdserve.transfer.nixl_agent; D (another process) adds P
+16 KiB per layer, K or V and block; 384 KiB a block) through pdserve.transfer.nixl.agent; D (another process) adds P
 from its metadata and layout (handed over a pipe here; pdserve's authenticated session in the connector), then reads
 P's blocks into its own with one prepared-descriptor-list READ each, polls until DONE, and checks the bytes; the
 read's notification (the transfer's name) is received on P. Phases, each in fresh processes:
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pdserve.transfer.nixl_agent import NixlAgent, NixlError  # noqa: E402
+from pdserve.transfer.nixl.agent import NixlAgent, NixlError  # noqa: E402
 
 LAYERS, BLOCKS, SHAPE = 12, 600, (16, 4, 64)  # the small model: 384 KiB a block
 LOCK = Path("/tmp/pdserve-bench-lock")

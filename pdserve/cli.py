@@ -130,7 +130,7 @@ def cmd_serve(args) -> int:
 
 
 def _router_parser(sub) -> None:
-    from pdserve.serve.router_cli import add_router_args
+    from pdserve.router.cli import add_router_args
     p = sub.add_parser("router", help="Route OpenAI requests through prefill (P) then decode (D) nodes.",
                        description="P/D router: each request is prefilled on a P (max_tokens=1, KV kept under a "
                                    "lease), then decoded on a D that pulls the KV; D's answer is streamed back.")
@@ -138,7 +138,7 @@ def _router_parser(sub) -> None:
 
 
 def cmd_router(args) -> int:
-    from pdserve.serve.router_cli import run_router
+    from pdserve.router.cli import run_router
     return run_router(args)
 
 

@@ -19,8 +19,8 @@ from pdserve.config import EngineConfig
 from pdserve.core.engine import LLMEngine
 from pdserve.serve.api_server import ServerState, build_app
 from pdserve.serve.server_config import ServerConfig
-from pdserve.transfer.proof import sign_params
-from pdserve.transfer.tcp import prompt_hash
+from pdserve.transfer.channel.proof import sign_params
+from pdserve.transfer.channel.proof import prompt_hash
 from tests.server_harness import free_port
 from tests.test_failure_paths_serving import BODY, events, pool_whole
 
@@ -187,7 +187,7 @@ def test_a_pd_request_served_without_ps_kv_says_so_for_the_router(qwen3_tiny):
     """P cannot be reached over the KV link (here nobody listens; a TLS mismatch looks the same): D prefills
     locally and answers X-PD-KV-Unused, streamed and not, so the router releases P's lease over HTTP (D's own
     `done` would take the broken link too). A request without P/D params never carries it."""
-    from pdserve.serve.router_timing import KV_UNUSED_HEADER
+    from pdserve.serve.server_timing import KV_UNUSED_HEADER
     with served(qwen3_tiny, kv={}) as (c, state):
         r = c.post("/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT)})
         assert r.status_code == 200 and r.headers.get(KV_UNUSED_HEADER) == "1", r.headers

@@ -19,7 +19,8 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.serve import engine_core, request_context
+from pdserve.serve import engine_core
+from pdserve.serve import request_context
 from pdserve.serve.engine_messages import EngineInfo, StepBatch
 from pdserve.serve.responses import ResponseBuilder
 from pdserve.worker.model_runner import ModelRunner

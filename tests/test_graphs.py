@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.block_pool import NULL_BLOCK
+from pdserve.sched_output import NULL_BLOCK
 from pdserve.worker.cudagraph_dispatch import BatchDescriptor
 
 CONSUMER = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_consumer"}

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from pdserve.transfer.protocol import GROUP, ProtocolError, Session
+from pdserve.transfer.channel.protocol import GROUP, ProtocolError, Session
 
 KEY = os.urandom(32)
 
@@ -58,7 +58,7 @@ def test_altered_frame_fails(where, payload):
 def test_groups_cover_the_payload_in_order_with_short_ends():
     """Both ends tag group by group: every byte once, in order, no group over GROUP bytes, the first and the last of
     TAIL bytes."""
-    from pdserve.transfer.protocol import TAIL, _groups
+    from pdserve.transfer.channel.protocol import TAIL, _groups
     buf = np.arange(5 * GROUP + 12345, dtype=np.uint64).view(np.uint8)
     cuts = [0, 7, GROUP - 3, 2 * GROUP, 4 * GROUP + 1, buf.nbytes - TAIL // 2, buf.nbytes]
     views = [buf[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -133,7 +133,7 @@ def kv_server():
     from types import SimpleNamespace
 
     from pdserve.kv_transfer_config import KVTransferConfig
-    from pdserve.transfer.tcp import TcpConnector
+    from pdserve.transfer.tcp.connector import TcpConnector
     cfg = KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 0,
                                       "kv_auth_token": "secret", "kv_transfer_timeout": 1.0})
     engine = SimpleNamespace(config=SimpleNamespace(cache=SimpleNamespace(block_size=16)),
@@ -149,8 +149,8 @@ def kv_server():
                                    b'{"role": "kv_consumer", "nonce": "' + b"00" * 16 + b'", "compat": "x"}',
                                    None])  # None: says nothing at all
 def test_malformed_hello_refused_and_server_lives_on(kv_server, hello, monkeypatch, caplog):
-    from pdserve.transfer.handshake import client_handshake
-    from pdserve.transfer.protocol import send_frame
+    from pdserve.transfer.channel.handshake import client_handshake
+    from pdserve.transfer.channel.protocol import send_frame
     crashed = []
     monkeypatch.setattr(threading, "excepthook", crashed.append)
     bad = socket.create_connection(("127.0.0.1", kv_server.port))
@@ -178,7 +178,7 @@ HELLO = b'{"role": "kv_consumer", "nonce": "' + b"00" * 16 + b'", "compat": {"mo
                                  ((1 << 16) + 1).to_bytes(8, "big") + HELLO, ((1 << 64) - 1).to_bytes(8, "big")],
                          ids=["zero", "smaller", "bigger", "over-limit", "huge"])
 def test_hello_with_a_wrong_length_prefix_refused(kv_server, raw):
-    from pdserve.transfer.handshake import client_handshake
+    from pdserve.transfer.channel.handshake import client_handshake
     bad = socket.create_connection(("127.0.0.1", kv_server.port))
     bad.settimeout(3)  # kv_transfer_timeout (1 s) bounds the whole handshake
     bad.sendall(raw)
@@ -195,8 +195,8 @@ def test_hello_with_a_wrong_length_prefix_refused(kv_server, raw):
 
 
 def test_client_refuses_a_short_producer_nonce():
-    from pdserve.transfer.handshake import _canon, client_handshake
-    from pdserve.transfer.protocol import send_frame
+    from pdserve.transfer.channel.handshake import _canon, client_handshake
+    from pdserve.transfer.channel.protocol import send_frame
     a, b = socket.socketpair()
     send_frame(b, _canon({"role": "kv_producer", "nonce": "00" * 8, "compat": {}, "proof": "00" * 32}))
     with pytest.raises(ProtocolError, match="nonce must be 16 bytes"):

@@ -15,9 +15,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.kv_transfer_config import KVTransferConfig
-from pdserve.transfer.handshake import client_handshake
-from pdserve.transfer.protocol import GROUP, TAIL, ProtocolError, Session, tune
-from pdserve.transfer.tcp import TcpConnector
+from pdserve.transfer.channel.handshake import client_handshake
+from pdserve.transfer.channel.protocol import GROUP, TAIL, ProtocolError, Session, tune
+from pdserve.transfer.tcp.connector import TcpConnector
 from tests.server_harness import free_port
 from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, consumer, drain, prefill_on, producer
 
@@ -284,7 +284,7 @@ def test_trickled_frames_wake_the_receiver_in_time():
 
 
 def test_a_kv_port_in_use_names_the_setting():
-    from pdserve.transfer.tcp_channel import ControlServer
+    from pdserve.transfer.channel.control import ControlServer
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

@@ -1,4 +1,4 @@
-"""pdserve.transfer.nixl_agent between two processes (NIXL over UCX tcp, CPU memory); skipped without nixl.
+"""pdserve.transfer.nixl.agent between two processes (NIXL over UCX tcp, CPU memory); skipped without nixl.
 
 P runs in a spawned child that owns its blocks; D (this process) reads them. Children are killed in teardown."""
 import multiprocessing as mp
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pdserve.transfer.nixl_agent import NixlAgent, NixlError, available
+from pdserve.transfer.nixl.agent import NixlAgent, NixlError, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="nixl is not installed")
 

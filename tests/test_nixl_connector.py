@@ -14,9 +14,10 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.serve.metrics import EngineCollector
-from pdserve.transfer import nixl_agent, tcp_pool
-from pdserve.transfer.nixl_agent import Transfer
-from pdserve.transfer.proof import sign_params
+from pdserve.transfer.nixl import agent as nixl_agent
+from pdserve.transfer.channel import pool as tcp_pool
+from pdserve.transfer.nixl.agent import Transfer
+from pdserve.transfer.channel.proof import sign_params
 from tests.server_harness import free_port
 from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, decode_on, drain, prefill_on
 
@@ -339,7 +340,7 @@ def test_missing_nixl_is_a_clear_start_error(qwen3_tiny, monkeypatch):
 def test_a_load_failing_before_its_claim_releases_the_lease_at_once(pd, collocated, monkeypatch):
     """D's claim fails (here P's answer is refused): the load fails by policy (recompute) and D sends P a bare
     `done`, so the lease ends now; before, nothing was sent and P held the blocks until the lease expired."""
-    from pdserve.transfer.protocol import ProtocolError
+    from pdserve.transfer.channel.protocol import ProtocolError
     p, d = pd
     pc, nc = p.engine.connector, d.engine.connector.consumer
 

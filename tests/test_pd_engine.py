@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.transfer.proof import sign_params
+from pdserve.transfer.channel.proof import sign_params
 from tests.server_harness import free_port
 
 ENGINE = dict(max_model_len=512, kv_cache_memory_gb=0.05)
@@ -57,7 +57,7 @@ def decode_on(d, prompts, params, max_tokens=16) -> dict:
 
 def params_for_peer(d, prompt, port) -> dict:
     """Signed remote-prefill params that send D to a local peer of the test's making."""
-    from pdserve.transfer.tcp import prompt_hash
+    from pdserve.transfer.channel.proof import prompt_hash
     ids = d.get_tokenizer()(prompt).input_ids
     return sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "p",
                         "remote_host": "127.0.0.1", "remote_port": port, "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids),
@@ -300,7 +300,7 @@ def test_consumer_hands_nothing_on(pd):
 def test_slow_reader_loses_its_connection(qwen3_tiny):
     """A consumer that asks for reads and never takes them: P's send blocks with the lease pinned; after
     kv_lease_seconds (1 s) P shuts the connection, the pin goes and the lease expires as usual."""
-    from pdserve.transfer.handshake import client_handshake
+    from pdserve.transfer.channel.handshake import client_handshake
     p = producer(qwen3_tiny, free_port(), kv_lease_seconds=1.0)
     params = prefill_on(p, PROMPTS[3:4])
     c = p.engine.connector
@@ -433,8 +433,8 @@ def test_a_failed_load_releases_the_producer_lease_at_once(pd, collocated, monke
     """A load that fails with P still there (here every read answers a protocol error): D prefills the prompt
     itself and sends P a bare `done` on a fresh session, so P frees the blocks now rather than at the lease's end
     (30 s)."""
-    from pdserve.transfer.protocol import ProtocolError
-    from pdserve.transfer.tcp_consumer import TcpConsumer
+    from pdserve.transfer.channel.protocol import ProtocolError
+    from pdserve.transfer.tcp.consumer import TcpConsumer
     real = TcpConsumer._transfer
 
     def failing(self, session, job):
@@ -586,8 +586,8 @@ def test_tls_mismatch_fails_cleanly_and_recomputes(tls_p, certs, qwen3_tiny, col
     (before: three handshakes per request, each with its log line)."""
     import ssl
 
-    from pdserve.transfer import tcp_pool
-    from pdserve.transfer.protocol import ProtocolError
+    from pdserve.transfer.channel import pool as tcp_pool
+    from pdserve.transfer.channel.protocol import ProtocolError
     p = tls_p
     d = consumer(qwen3_tiny, **({"kv_tls_ca": certs[1][0]} if d_tls == "wrong_ca" else {}))
     params = prefill_on(p, PROMPTS[:4])
@@ -700,7 +700,7 @@ def test_tcp_consumer_leaves_params_another_connector_made(qwen3_tiny):
     """Params that name NixlConnector are not the tcp consumer's, whatever a MultiConnector's child order: it
     neither loads them, nor keeps their lease alive, nor dials their peer to release it."""
     from pdserve.request import Request
-    from pdserve.transfer.proof import prompt_hash
+    from pdserve.transfer.channel.proof import prompt_hash
     d = consumer(qwen3_tiny)
     try:
         ids = d.get_tokenizer()("def f(x):\n    return x\n" * 4).input_ids

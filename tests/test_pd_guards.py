@@ -47,7 +47,7 @@ def test_router_refuses_before_prefill_when_no_decode_node_is_healthy():
 
     from starlette.testclient import TestClient
 
-    from pdserve.serve.router import Router, build_app
+    from pdserve.router.app import Router, build_app
     with socket.create_server(("127.0.0.1", 0)) as p_listener:  # a P that records whether anyone dialled it
         p_listener.settimeout(0.3)
         p_url = f"http://127.0.0.1:{p_listener.getsockname()[1]}"

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pdserve.serve.router_nodes import Pool
-from pdserve.serve.router_timing import parse_server_timing
-from pdserve.transfer.proof import sign_params
-from pdserve.transfer.tcp import prompt_hash
+from pdserve.router.nodes import Pool
+from pdserve.serve.server_timing import parse_server_timing
+from pdserve.transfer.channel.proof import sign_params
+from pdserve.transfer.channel.proof import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, complete, free_port, kv_config, kv_state,
                                   metric, metrics, wait_pools_whole)
 

@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from pdserve.transfer.proof import PROOF_FIELD, sign_params
-from pdserve.transfer.tcp import prompt_hash
+from pdserve.transfer.channel.proof import PROOF_FIELD, sign_params
+from pdserve.transfer.channel.proof import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, free_port, kv_config, kv_state, metric,
                                   metrics, wait_pools_whole)
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.serve.lease_check import LeaseChecks
-from pdserve.transfer.peer_workers import PeerWorkers, peer_of
+from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
 
 HUNG = {"remote_host": "10.0.0.9", "remote_port": 7001}
 HEALTHY = {"remote_host": "10.0.0.8", "remote_port": 7001}
@@ -56,7 +56,7 @@ def test_peer_workers_run_each_peer_on_its_own_threads_and_refuse_after_shutdown
 def test_peers_past_the_cap_share_one_pool_and_idle_pools_are_shut(monkeypatch):
     """A P restarting on new ports (loopback) names new peers each time: past MAX_PEERS they share one pool, and a
     pool idle past IDLE_SECONDS is shut, so threads stay bounded."""
-    import pdserve.transfer.peer_workers as pw
+    import pdserve.transfer.channel.peer_workers as pw
     monkeypatch.setattr(pw, "MAX_PEERS", 2)
     w = PeerWorkers(1, "t")
     try:

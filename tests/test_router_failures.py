@@ -13,7 +13,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.serve.router import Router, build_app
+from pdserve.router.app import Router, build_app
 
 P1, P2, D = "http://p1.test", "http://p2.test", "http://d.test"
 PARAMS = {"do_remote_prefill": True, "transfer_id": "t1", "kv_proof": "x"}
@@ -115,7 +115,7 @@ def test_a_p_refusing_the_clients_fields_leaves_the_answer_to_d(d_answer):
 def test_a_decode_node_that_took_none_of_the_kv_gets_ps_lease_released(unused):
     """D answers 200 with X-PD-KV-Unused (it prefilled locally): the router posts P's params to P's
     /v1/kv/release, since D's own `done` may not have reached P. Without the header, nothing is posted."""
-    from pdserve.serve.router_timing import KV_UNUSED_HEADER
+    from pdserve.serve.server_timing import KV_UNUSED_HEADER
     nodes = Nodes({P1: ok_p}, lambda body: httpx.Response(200, json={"choices": [{"text": "x"}]},
                                                           headers={KV_UNUSED_HEADER: "1"} if unused else {}))
     with routed(nodes, [P1]) as c:
@@ -191,7 +191,7 @@ def test_a_decode_node_that_refuses_the_connection_is_passed_over():
 def test_a_p_refusing_pd_prefills_is_tried_last_until_its_hold_ends(monkeypatch):
     """After P1 refuses a P/D prefill, the next requests go to P2 without asking P1 (each used to pay P1's round
     trip and an error line); once its hold ends P1 is asked again, and a P/D prefill it serves clears the hold."""
-    from pdserve.serve import router as router_mod
+    from pdserve.router import app as router_mod
     monkeypatch.setattr(router_mod, "PD_REFUSAL_HOLD", 0.5)
     broken = [True]
     p1 = lambda body: err(400, NO_CONNECTOR, "kv_transfer_params") if broken[0] else ok_p(body)  # noqa: E731

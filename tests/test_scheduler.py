@@ -14,7 +14,8 @@ import pytest
 
 from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.core.scheduler import Scheduler, SchedulerOutput
+from pdserve.core.scheduler import Scheduler
+from pdserve.sched_output import SchedulerOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 

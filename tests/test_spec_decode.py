@@ -292,7 +292,7 @@ def scripted(llm, script: list[int]):
     """Replace the model by a script: each step's rows get the script's next tokens in order (a drafting row as
     many as it has drafts + 1), so a plain and a drafting engine emit the same tokens in different steps.
     Returns the list of each step's draft counts."""
-    from pdserve.worker.model_runner import StepResult
+    from pdserve.sched_output import ModelRunnerOutput
     todo, drafts = list(script), []
 
     def execute(rows, block_table):
@@ -307,7 +307,7 @@ def scripted(llm, script: list[int]):
                 del todo[:n]
             else:
                 sampled.append(todo.pop(0))
-        return StepResult(sampled, [None] * len(rows))
+        return ModelRunnerOutput(sampled, [None] * len(rows))
     llm.engine.runner.execute = execute
     return drafts
 

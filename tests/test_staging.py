@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.scheduler import ScheduledRow
+from pdserve.sched_output import ScheduledRow
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams as SP
 from pdserve.worker.input_batch import InputBuffers

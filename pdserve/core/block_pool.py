@@ -13,7 +13,7 @@ from array import array
 from collections import OrderedDict
 from typing import Iterable, Optional
 
-NULL_BLOCK = 0
+from pdserve.sched_output import NULL_BLOCK
 
 
 def hash_block(parent: Optional[bytes], token_ids: Iterable[int]) -> bytes:

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.core.engine_pd import EnginePDMixin
-from pdserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.scheduler import Scheduler
 from pdserve.detokenizer import IncrementalDetokenizer
@@ -21,6 +21,7 @@ from pdserve.model.loader import check_model_dir, model_dims, read_json_file, re
 from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
+from pdserve.sched_output import cdiv
 from pdserve.transfer.base import make_connector
 from pdserve.worker import memory
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block

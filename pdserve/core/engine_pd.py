@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from pdserve.model.loader import model_dims
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer.proof import NOT_VERIFIED, PROBE_LABEL, malformed, prompt_hash, sign_params, verified_params
+from pdserve.transfer.channel.proof import NOT_VERIFIED, PROBE_LABEL, malformed, prompt_hash, sign_params, verified_params
 
 if TYPE_CHECKING:
     from pdserve.core.engine import Prompt

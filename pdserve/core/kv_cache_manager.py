@@ -5,13 +5,10 @@ import numpy as np
 
 from pdserve.core.block_pool import BlockPool, hash_block
 from pdserve.request import Request
+from pdserve.sched_output import cdiv
 
 
 _NO_BLOCKS = np.zeros(0, np.int64)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -21,45 +21,16 @@ advances by 1 + accepted only (capped at the kept tokens), so rejected KV is nev
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.scheduler_pd import SchedulerPDMixin
 from pdserve.request import Request, RequestStatus
+from pdserve.sched_output import NO_DRAFTS, ScheduledRow, SchedulerOutput
 from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.ngram_proposer import NgramProposer
-from pdserve.transfer.proof import sign_params
-
-_NO_DRAFTS: tuple = ()
-
-
-@dataclass
-class ScheduledRow:
-    request: Request
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    # Speculative decoding: the K scheduled tokens after the last known one (PLACEHOLDER_TOKEN_ID where the
-    # proposer found none); their positions are scored too.
-    draft_token_ids: Sequence[int] = _NO_DRAFTS
-
-    @property
-    def samples(self) -> bool:
-        """The row ends at the request's last known token (plus drafts), so its logits give the next token(s)."""
-        return self.num_computed_tokens + self.num_scheduled_tokens - len(self.draft_token_ids) == \
-            self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    rows: list[ScheduledRow] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.rows)
-
+from pdserve.transfer.channel.proof import sign_params
 
 class Scheduler(SchedulerPDMixin):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None,
@@ -119,14 +90,14 @@ class Scheduler(SchedulerPDMixin):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             left = req.num_tokens - req.num_computed_tokens
-            drafts = self._drafts(req) if drafting and left == 1 else _NO_DRAFTS
+            drafts = self._drafts(req) if drafting and left == 1 else NO_DRAFTS
             num_new = self._chunk(left)
             # All or nothing: drafts that do not fit the budget or the free blocks are dropped (the row decodes
             # its one token), never cut short, and never the cause of a preemption.
             if drafts and (1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts))):
                 num_new += len(drafts)
             else:
-                drafts = _NO_DRAFTS
+                drafts = NO_DRAFTS
             num_new = min(num_new, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
@@ -145,9 +116,9 @@ class Scheduler(SchedulerPDMixin):
         while self.ready and budget > 0 and len(self.running) < seats:
             req = self.ready[0]
             num_new = req.num_tokens - req.num_computed_tokens
-            drafts = self._drafts(req) if drafting else _NO_DRAFTS
+            drafts = self._drafts(req) if drafting else NO_DRAFTS
             if drafts and (num_new + len(drafts) > budget or not self.kv.allocate_slots(req, num_new + len(drafts))):
-                drafts = _NO_DRAFTS  # its load allocated the lookahead slots; an arrival driver's import may not
+                drafts = NO_DRAFTS  # its load allocated the lookahead slots; an arrival driver's import may not
             if num_new + len(drafts) > budget or not self.kv.allocate_slots(req, num_new):
                 break
             self.ready.popleft()
@@ -164,7 +135,7 @@ class Scheduler(SchedulerPDMixin):
                 continue
             left = req.num_tokens - num_hit
             # a preempted request whose prefix cache covers all but its last token resumes as a decode row
-            drafts = self._drafts(req) if drafting and left == 1 and num_hit and load is None else _NO_DRAFTS
+            drafts = self._drafts(req) if drafting and left == 1 and num_hit and load is None else NO_DRAFTS
             num_new = self._chunk(left)
             if drafts and 1 + len(drafts) <= budget and self.kv.allocate_slots(req, 1 + len(drafts), hits):
                 self.waiting.popleft()
@@ -196,7 +167,7 @@ class Scheduler(SchedulerPDMixin):
         return min(num_new, cap) if cap else num_new
 
     def _admit(self, req: Request, hits: list[int], num_hit: int, num_new: int, out: SchedulerOutput,
-               drafts: Sequence[int] = _NO_DRAFTS) -> int:
+               drafts: Sequence[int] = NO_DRAFTS) -> int:
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit

@@ -15,7 +15,7 @@ import logging
 import queue
 from typing import Callable, Optional
 
-from pdserve.transfer.peer_workers import PeerWorkers, peer_of
+from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
 
 logger = logging.getLogger("pdserve.serve.engine")
 UNREACHABLE = None  # the answer when P could not be asked

@@ -29,7 +29,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
 from pdserve.serve.protocol import GenerationRequest
 from pdserve.serve.responses import ResponseBuilder, sse
-from pdserve.serve.router_timing import server_timing
+from pdserve.serve.server_timing import server_timing
 
 logger = logging.getLogger("pdserve.serve")
 

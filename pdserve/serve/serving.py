@@ -22,7 +22,7 @@ from pdserve.serve.parallel_sampling import create_n
 from pdserve.serve.prompts import ModelInfo
 from pdserve.serve.protocol import to_generation_requests
 from pdserve.serve.responses import ResponseBuilder, sse
-from pdserve.serve.router_timing import server_timing
+from pdserve.serve.server_timing import server_timing
 
 logger = logging.getLogger("pdserve.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -113,7 +113,7 @@ def make_connector(config, engine) -> Optional[KVConnector]:
     if config is None or config.kv_connector == "DecodeBenchConnector":
         return None
     if not {config.kv_connector, *(c.kv_connector for c in config.connectors)} <= CONNECTORS.keys():
-        import pdserve.transfer.tcp  # noqa: F401  (registers TcpConnector)
+        import pdserve.transfer.tcp.connector  # noqa: F401  (registers TcpConnector)
         import pdserve.transfer.multi  # noqa: F401
-        import pdserve.transfer.nixl  # noqa: F401  (imports no nixl: NixlConnector checks for it when made)
+        import pdserve.transfer.nixl.connector  # noqa: F401  (imports no nixl: NixlConnector checks for it when made)
     return CONNECTORS[config.kv_connector](config, engine)

@@ -8,7 +8,7 @@ from typing import Optional
 
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, KVConnector
-from pdserve.transfer.leases import Lease
+from pdserve.transfer.channel.leases import Lease
 
 
 class RoleConnector(KVConnector):

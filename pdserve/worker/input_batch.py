@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from pdserve.attention.metadata import AttentionMetadata, AttnGroup, width_groups
-from pdserve.core.block_pool import NULL_BLOCK
-from pdserve.core.kv_cache_manager import cdiv
+from pdserve.sched_output import NULL_BLOCK, cdiv
 from pdserve.worker.staging import CudaStaging
 
 

@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.attention import make_backend
 from pdserve.config import EngineConfig
-from pdserve.core.kv_cache_manager import cdiv
 from pdserve.model.loader import load_model
 from pdserve.model.transformer import CausalLM
 from pdserve.model.sampler import Sampler
+from pdserve.sched_output import NULL_BLOCK, ModelRunnerOutput, ScheduledRow, cdiv
 from pdserve.spec_decode.verifier import SpecDecodeStats, verify
 from pdserve.worker.host_memory import keep_freed_host_memory
 from pdserve.worker.cudagraph import FullGraphRunner
@@ -26,14 +25,6 @@ _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _PREFILL_LEN = operator.attrgetter("request.prefill_len")
 _DRAFTS = operator.attrgetter("draft_token_ids")
-
-
-@dataclass
-class StepResult:
-    # per scheduler row: the new token, None for a prompt chunk that is not last, or a drafting row's emitted
-    # tokens (a list); logprobs likewise (a list of entries for a drafting row)
-    sampled: list
-    logprobs: list
 
 
 def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
@@ -134,8 +125,6 @@ class ModelRunner:
         budget as the last chunks of max_model_len prompts (the most context a chunk can attend), then max_num_seqs
         decode rows at max_model_len; after each, the sampler over every position a step can score (each row's
         1 + K with speculative decoding) with every filter and the most logprobs on."""
-        from pdserve.core.block_pool import NULL_BLOCK
-        from pdserve.core.scheduler import ScheduledRow
         from pdserve.request import Request
         from pdserve.sampling_params import SamplingParams
         n_max, seqs = self.max_model_len, self.config.scheduler.max_num_seqs
@@ -185,7 +174,6 @@ class ModelRunner:
     def prefill_kv(self, req, start: int, end: int, blocks_of) -> None:
         """Write real KV for tokens [start, end) of `req` with eager prefill chunks: no sampling, no graph step.
         The D-side arrival driver uses it in place of a transfer from a prefill node."""
-        from pdserve.core.scheduler import ScheduledRow
         chunk = self.max_num_tokens()
         for c in range(start, end, chunk):
             batch = self.buffers.prepare([ScheduledRow(req, c, min(chunk, end - c))], blocks_of)
@@ -201,7 +189,7 @@ class ModelRunner:
         return (*self.dispatcher.dispatch(num_tokens, len(rows), cls), num_tokens)
 
     @torch.inference_mode()
-    def execute(self, rows, blocks_of) -> StepResult:
+    def execute(self, rows, blocks_of) -> ModelRunnerOutput:
         mode, desc, reason, num_tokens = self.choose_graph(rows)
         if mode == CUDAGraphMode.FULL:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs,
@@ -219,7 +207,7 @@ class ModelRunner:
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
         return self.sample(rows, batch, hidden)
 
-    def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
+    def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         sampled: list = [None] * len(rows)
         logprobs: list = [None] * len(rows)
         if batch.logits_rows:
@@ -229,12 +217,12 @@ class ModelRunner:
                 self.logits_hook(reqs, logits)
             if batch.num_drafted:
                 self._verify(rows, batch, logits, sampled, logprobs)
-                return StepResult(sampled, logprobs)
+                return ModelRunnerOutput(sampled, logprobs)
             tokens, lps = self.sampler(logits, reqs)
             for r, tok, lp in zip(batch.logits_rows, tokens, lps):
                 sampled[batch.order[r]] = tok
                 logprobs[batch.order[r]] = lp
-        return StepResult(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs)
 
     def _verify(self, rows, batch: PreparedBatch, logits: torch.Tensor, sampled: list, logprobs: list) -> None:
         """A step with drafting rows: each gets its emitted tokens (a list) and per-token logprobs; other sampling

@@ -19,7 +19,7 @@ import time as _time
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.core.kv_cache_manager import cdiv
+from pdserve.sched_output import cdiv
 from pdserve.request import RequestStatus
 from tests.fuzz.expect import explain, expect
 from tests.fuzz.fake_model import VOCAB

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job, register_connector
-from pdserve.transfer.proof import sign_params
+from pdserve.transfer.channel.proof import sign_params
 
 NAME = "FuzzConnector"
 TOKEN = "fuzz-token"
@@ -53,7 +53,7 @@ class FakeP:
 
     def offer(self, tid: str, prompt: list[int], lease_steps: int, outcome: str, latency: int) -> dict:
         """P prefilled `prompt`: lease its KV and answer with the params the router signs and hands to D."""
-        from pdserve.transfer.tcp import prompt_hash
+        from pdserve.transfer.channel.proof import prompt_hash
         self.leases[tid] = Lease(list(prompt), lease_steps, self.now + lease_steps, outcome, latency)
         return sign_params({"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
                             "remote_engine_id": "fakeP", "remote_host": "127.0.0.1", "remote_port": 1,

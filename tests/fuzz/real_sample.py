@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from pdserve.config import EngineConfig
-from pdserve.core.kv_cache_manager import cdiv
+from pdserve.sched_output import cdiv
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cudagraph_dispatch import RULES
 from tests.fuzz.driver import Failure, _label_error

@@ -8,7 +8,7 @@ import copy
 import time
 from typing import Callable
 
-from pdserve.core.kv_cache_manager import cdiv
+from pdserve.sched_output import cdiv
 
 
 def _request_edits(q: dict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from pdserve.core.kv_cache_manager import cdiv
+from pdserve.sched_output import cdiv
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cudagraph_dispatch import RULES
 from tests.fuzz.expect import expect

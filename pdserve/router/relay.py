@@ -16,7 +16,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from pdserve.serve.router_nodes import Node
+from pdserve.router.nodes import Node
 
 logger = logging.getLogger("pdserve.router")
 DONE = b"data: [DONE]\n\n"

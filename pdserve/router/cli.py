@@ -1,5 +1,5 @@
 """`pdserve router`'s command line: its flags, the checks that refuse a bad one by name, and the uvicorn run.
-What the router does with a request is in router.py's docstring (`python -m pdserve.serve.router_cli --help`)."""
+What the router does with a request is in router.py's docstring (`python -m pdserve.router.cli --help`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ from typing import Optional
 
 import httpx
 
-from pdserve.serve import router as _router
+from pdserve.router import app as _router
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

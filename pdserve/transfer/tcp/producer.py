@@ -20,9 +20,9 @@ import logging
 from typing import Callable, Optional
 
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.leases import LeaseTable, lease_ops, leased_params
-from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
-from pdserve.transfer.tcp_channel import ControlServer, Deadline
+from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params
+from pdserve.transfer.channel.blocks import KVBlocks, TransferStats
+from pdserve.transfer.channel.control import ControlServer, Deadline
 
 logger = logging.getLogger("pdserve.transfer")
 

@@ -60,10 +60,11 @@ from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTO
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from pdserve.serve.router_nodes import Fleet, Node, error_of
-from pdserve.serve.router_relay import error, relay_answer
-from pdserve.serve.router_timing import KV_UNUSED_HEADER, TtftSplit, parse_server_timing
-from pdserve.transfer.proof import NOT_VERIFIED
+from pdserve.router.nodes import Fleet, Node, error_of
+from pdserve.router.relay import error, relay_answer
+from pdserve.router.timing import TtftSplit
+from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
+from pdserve.transfer.channel.proof import NOT_VERIFIED
 
 logger = logging.getLogger("pdserve.router")
 STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")

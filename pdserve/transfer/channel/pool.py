@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pdserve.transfer.protocol import ProtocolError, Session
-from pdserve.transfer.tcp_channel import IDLE_SECONDS, MAX_AGE, Deadline, dial
+from pdserve.transfer.channel.protocol import ProtocolError, Session
+from pdserve.transfer.channel.control import IDLE_SECONDS, MAX_AGE, Deadline, dial
 
 logger = logging.getLogger("pdserve.transfer")
 PER_PEER = 4  # idle sessions kept per producer endpoint (one per loader thread)

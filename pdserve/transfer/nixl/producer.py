@@ -13,10 +13,10 @@ import time
 from typing import Optional
 
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.leases import LeaseTable, lease_ops, leased_params
-from pdserve.transfer.nixl_consumer import NAME
-from pdserve.transfer.tcp_blocks import TransferStats
-from pdserve.transfer.tcp_channel import ControlServer
+from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params
+from pdserve.transfer.nixl.consumer import NAME
+from pdserve.transfer.channel.blocks import TransferStats
+from pdserve.transfer.channel.control import ControlServer
 
 logger = logging.getLogger("pdserve.transfer")
 

@@ -50,13 +50,13 @@ from contextlib import suppress
 from typing import Optional
 
 from pdserve.kv_transfer_config import LOOPBACK
-from pdserve.transfer import nixl_agent
+from pdserve.transfer.nixl import agent as nixl_agent
 from pdserve.transfer.base import FinishedTransfers, register_connector
-from pdserve.transfer.leases import LeaseTable
+from pdserve.transfer.channel.leases import LeaseTable
 from pdserve.transfer.roles import RoleConnector
-from pdserve.transfer.nixl_consumer import NAME, NixlConsumer
-from pdserve.transfer.nixl_producer import NixlProducer
-from pdserve.transfer.tcp_blocks import TransferStats
+from pdserve.transfer.nixl.consumer import NAME, NixlConsumer
+from pdserve.transfer.nixl.producer import NixlProducer
+from pdserve.transfer.channel.blocks import TransferStats
 
 logger = logging.getLogger("pdserve.transfer")
 INSTALL = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"

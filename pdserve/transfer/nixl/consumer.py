@@ -18,12 +18,12 @@ from typing import Optional
 
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, LoadJob
-from pdserve.transfer.nixl_agent import NixlError, Transfer
-from pdserve.transfer.nixl_peers import AgentPeers
-from pdserve.transfer.peer_workers import PeerWorkers, peer_of
-from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
-from pdserve.transfer.tcp_blocks import KVBlocks, TransferStats
-from pdserve.transfer.tcp_consumer import SHUTDOWN_GRACE, TcpConsumer
+from pdserve.transfer.nixl.agent import NixlError, Transfer
+from pdserve.transfer.nixl.peers import AgentPeers
+from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
+from pdserve.transfer.channel.protocol import TIMEOUTS, ProtocolError
+from pdserve.transfer.channel.blocks import KVBlocks, TransferStats
+from pdserve.transfer.tcp.consumer import SHUTDOWN_GRACE, TcpConsumer
 
 logger = logging.getLogger("pdserve.transfer")
 NAME = "NixlConnector"  # params P made carry it, so a MultiConnector's tcp child leaves them to this one

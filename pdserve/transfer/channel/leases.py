@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from pdserve.core.kv_cache_manager import cdiv
-from pdserve.transfer.proof import prompt_hash  # noqa: F401  (re-exported)
+from pdserve.sched_output import cdiv
+from pdserve.transfer.channel.proof import prompt_hash  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("pdserve.transfer")
 

@@ -18,7 +18,7 @@ import socket
 import ssl
 from typing import Optional
 
-from pdserve.transfer.protocol import ProtocolError, Session, recv_frame, send_frame
+from pdserve.transfer.channel.protocol import ProtocolError, Session, recv_frame, send_frame
 
 
 def _canon(obj) -> bytes:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Optional
 
 from pdserve.transfer.base import FinishedTransfers, register_connector
-from pdserve.transfer.leases import Lease, LeaseTable, prompt_hash
+from pdserve.transfer.channel.leases import Lease, LeaseTable, prompt_hash
 from pdserve.transfer.roles import RoleConnector
-from pdserve.transfer.tcp_blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
-from pdserve.transfer.tcp_consumer import TcpConsumer
-from pdserve.transfer.tcp_producer import TcpProducer
+from pdserve.transfer.channel.blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
+from pdserve.transfer.tcp.consumer import TcpConsumer
+from pdserve.transfer.tcp.producer import TcpProducer
 
 __all__ = ["BLOCKS_PER_READ", "Lease", "TcpConnector", "TransferStats", "prompt_hash"]
 

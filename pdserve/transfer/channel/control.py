@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pdserve.transfer.handshake import client_handshake, server_handshake
-from pdserve.transfer.protocol import TIMEOUTS, Session, tune
+from pdserve.transfer.channel.handshake import client_handshake, server_handshake
+from pdserve.transfer.channel.protocol import TIMEOUTS, Session, tune
 
 logger = logging.getLogger("pdserve.transfer")
 IDLE_SECONDS = 60.0  # P closes a session idle this long; D reuses one idle for at most half of it

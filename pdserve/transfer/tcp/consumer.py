@@ -32,11 +32,11 @@ from contextlib import suppress
 from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, LoadJob, load_job
-from pdserve.transfer.leases import LeaseKeeper, ask_renew, prompt_hash, send_done
-from pdserve.transfer.peer_workers import PeerWorkers, peer_of
-from pdserve.transfer.protocol import TIMEOUTS, ProtocolError
-from pdserve.transfer.tcp_blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
-from pdserve.transfer.tcp_pool import SessionPool
+from pdserve.transfer.channel.leases import LeaseKeeper, ask_renew, prompt_hash, send_done
+from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
+from pdserve.transfer.channel.protocol import TIMEOUTS, ProtocolError
+from pdserve.transfer.channel.blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
+from pdserve.transfer.channel.pool import SessionPool
 
 logger = logging.getLogger("pdserve.transfer")
 SHUTDOWN_GRACE = 2.0  # s a stopping D gives its queued `done`s (and loads) before dropping them

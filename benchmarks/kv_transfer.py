@@ -169,7 +169,7 @@ def consumer_main(model: str, conn) -> None:
             dst = take(pool, n)
             with socket.create_connection((params["remote_host"], params["remote_port"])) as sock:
                 tune(sock)
-                session = client_handshake(sock, KV["kv_auth_token"].encode(), d.engine.compat_fields())
+                session = client_handshake(sock, KV["kv_auth_token"].encode(), d.engine.connector.ctx.compat)
                 reads = 0
                 while not conn.poll():
                     for start in range(0, n, BLOCKS_PER_READ):
@@ -310,7 +310,7 @@ class Bench:
             self.end_lease(stress)
         for rid in list(e.scheduler.requests):
             e.abort_request(rid)
-        while e.has_unfinished_requests() or e.num_leased_blocks():
+        while e.has_unfinished_requests() or e.gateway.num_leased_blocks():
             e.step()
         assert None not in pull_s, "a pull failed"
         return {"step_ms": statistics.median(times) * 1e3, "serving_cpu_s": cpu, "wall_s": sum(times),

@@ -16,11 +16,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from pdserve.config import EngineConfig
-from pdserve.core.engine import LLMEngine
+from pdserve.core.kv_gateway import KVGateway
 from pdserve.serve.api_server import ServerState, build_app
 from pdserve.serve.server_config import ServerConfig
-from pdserve.transfer.channel.proof import sign_params
-from pdserve.transfer.channel.proof import prompt_hash
+from pdserve.transfer.channel.proof import prompt_hash, sign_params
 from tests.server_harness import free_port
 from tests.test_failure_paths_serving import BODY, events, pool_whole
 
@@ -65,14 +64,14 @@ def remote_params(prompt_ids, port=None) -> dict:
 
 @pytest.fixture
 def releases(monkeypatch):
-    """Request ids D told P to release a lease for (LLMEngine.release_remote_kv, which still runs)."""
+    """Request ids D told P to release a lease for (KVGateway.release_remote_kv, which still runs)."""
     seen: list[str] = []
-    real = LLMEngine.release_remote_kv
+    real = KVGateway.release_remote_kv
 
-    def recording(self, params, request_id):
+    def recording(self, request_id, params):
         seen.append(request_id)
-        return real(self, params, request_id)
-    monkeypatch.setattr(LLMEngine, "release_remote_kv", recording)
+        return real(self, request_id, params)
+    monkeypatch.setattr(KVGateway, "release_remote_kv", recording)
     return seen
 
 
@@ -142,10 +141,10 @@ def test_a_release_to_p_that_raises_still_answers_400(qwen3_tiny, monkeypatch):
     (the exception is D's to log, never the loop's end)."""
     tried: list[str] = []
 
-    def broken(self, params, request_id):
+    def broken(self, request_id, params):
         tried.append(request_id)
         raise ConnectionError("the KV session to P broke")
-    monkeypatch.setattr(LLMEngine, "release_remote_kv", broken)
+    monkeypatch.setattr(KVGateway, "release_remote_kv", broken)
     with served(qwen3_tiny, kv={}) as (c, state):
         r = c.post("/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT[:-1])})
         assert r.status_code == 400, r.text

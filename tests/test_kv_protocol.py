@@ -130,15 +130,12 @@ def test_payload_of_the_wrong_size_is_refused_before_reading():
 @pytest.fixture()
 def kv_server():
     """A producer's KV server alone (no engine, no KV cache): only handshakes and reads of unknown leases."""
-    from types import SimpleNamespace
-
     from pdserve.kv_transfer_config import KVTransferConfig
+    from pdserve.transfer.base import ConnectorContext
     from pdserve.transfer.tcp.connector import TcpConnector
     cfg = KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 0,
                                       "kv_auth_token": "secret", "kv_transfer_timeout": 1.0})
-    engine = SimpleNamespace(config=SimpleNamespace(cache=SimpleNamespace(block_size=16)),
-                             compat_fields=lambda: {"model": "m"})
-    c = TcpConnector(cfg, engine)
+    c = TcpConnector(cfg, ConnectorContext(16, {"model": "m"}))
     yield c
     c.shutdown()
 

@@ -8,7 +8,6 @@ import random
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.transfer.channel.handshake import client_handshake
 from pdserve.transfer.channel.protocol import GROUP, TAIL, ProtocolError, Session, tune
+from pdserve.transfer.base import ConnectorContext
 from pdserve.transfer.tcp.connector import TcpConnector
 from tests.server_harness import free_port
 from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, consumer, drain, prefill_on, producer
@@ -182,7 +182,7 @@ def test_check_remote(fresh):
         c.check_remote({**kp, "remote_port": free_port()})
     cfg = KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
                                       "kv_auth_token": "not-the-secret", "kv_transfer_timeout": 1.0})
-    wrong = TcpConnector(cfg, SimpleNamespace(config=d.engine.config, compat_fields=lambda: c.compat))
+    wrong = TcpConnector(cfg, ConnectorContext(d.engine.config.cache.block_size, c.compat))
     with pytest.raises(ProtocolError, match="authentication"):
         wrong.check_remote(kp)
     wrong.shutdown()

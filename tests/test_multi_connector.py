@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, register_connector
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector
+from pdserve.transfer.factory import register_connector
 from pdserve.transfer.multi import MultiConnector
 
 
-@register_connector("_KeepingChild")
 class KeepingChild(KVConnector):
     """Keeps every finished request under a lease and lets go when the test says so."""
 
-    def __init__(self, config, engine):
-        super().__init__(config, engine)
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
         self.released: set[str] = set()
 
     def get_num_new_matched_tokens(self, req, num_local_computed):
@@ -35,9 +35,11 @@ class KeepingChild(KVConnector):
         return out
 
 
+register_connector("_KeepingChild", __name__, "KeepingChild")
+
 def test_blocks_freed_only_when_every_keeping_child_let_go():
     children = [SimpleNamespace(kv_connector="_KeepingChild") for _ in range(2)]
-    multi = MultiConnector(SimpleNamespace(connectors=children), engine=None)
+    multi = MultiConnector(SimpleNamespace(connectors=children), ctx=None)
     a, b = multi.children
     req = SimpleNamespace(request_id="r")
     keep, params = multi.request_finished(req, [1, 2])

@@ -96,7 +96,7 @@ def test_nixl_equals_tcp_and_collocated(pd, qwen3_tiny, collocated):
     assert steps.get("prefill", 0) - steps0.get("prefill", 0) == 1  # only "x", prefilled on D
     drain(p)  # P frees each lease on its read's notification
     assert not pc.leases and pc.stats.bytes_sent - sent0 == dc.stats.bytes_received - got0
-    series = {m.name: m for m in EngineCollector("m")._transfer(d.engine.transfer_stats())}
+    series = {m.name: m for m in EngineCollector("m")._transfer(d.engine.gateway.transfer_stats())}
     reads = len(PROMPTS) - 1
     for name in ("xfer_time_seconds", "post_time_seconds", "bytes_transferred", "num_descriptors"):
         assert sum(s.value for s in series[f"vllm:nixl_{name}"].samples if s.name.endswith("_count")) >= reads
@@ -188,7 +188,7 @@ def test_claimed_lease_is_held_past_expiry_and_reader_blocks_until_read_ends(pd,
         free0, timeouts = d.engine.kv.num_free_blocks(), dc.stats.failures["timeout"]
         out = finish(d, PROMPTS[1:3], params)  # the deadline (1 s) passes: recomputed, blocks kept from reuse
         assert tokens(out) == collocated[1:3] and dc.stats.failures["timeout"] - timeouts == 2
-        held = d.engine.scheduler.deferred_free
+        held = d.engine.scheduler.transfers.deferred_free
         kept = {b for r in held for b in d.engine.kv.blocks_of(r)}  # the prompts share a cached block
         assert len(held) == 2 and d.engine.kv.num_free_blocks() == free0 - len(kept) < free0
         tids = [kp["transfer_id"] for kp in params]
@@ -196,7 +196,7 @@ def test_claimed_lease_is_held_past_expiry_and_reader_blocks_until_read_ends(pd,
         for lease in pc.leases.values():
             lease.expiry = 0.0
         p.engine.step()
-        assert set(pc.leases) == set(tids) and p.engine.num_leased_blocks() > 0  # pinned: not freed at expiry
+        assert set(pc.leases) == set(tids) and p.engine.gateway.num_leased_blocks() > 0  # pinned: not freed at expiry
         dc.agent.notify(stuck[0].peer, tids[0].encode())  # the read's notification: P frees that lease now
         end = time.monotonic() + 5
         while tids[0] in pc.leases and time.monotonic() < end:
@@ -206,7 +206,7 @@ def test_claimed_lease_is_held_past_expiry_and_reader_blocks_until_read_ends(pd,
         pc.producer.claims[tids[1]] = {w: (0.0, n) for w, (_, n) in pc.producer.claims[tids[1]].items()}
         p.engine.step()  # the claim's hold is over: D has given up on that read
         assert not pc.leases and pc.nstats.counters["num_kv_expired_reqs"] == expired + 1
-        assert len(d.engine.scheduler.deferred_free) == 2  # D: the reads have not ended
+        assert len(d.engine.scheduler.transfers.deferred_free) == 2  # D: the reads have not ended
         for t in stuck:
             t.state = "ERR"
         drain(d)  # they ended: the blocks go back to D's pool
@@ -317,11 +317,11 @@ def test_hung_then_killed_p_fails_by_policy_and_blocks_wait_for_the_read(qwen3_t
         out = finish(d, PROMPTS[2:3], params)[0]
         assert out.outputs[0].finish_reason == "error" and "timeout" in out.error
         assert 1.0 <= time.monotonic() - t0 < 3.0
-        assert len(e.scheduler.deferred_free) == 1 and e.kv.num_free_blocks() < e.num_blocks - 1
+        assert len(e.scheduler.transfers.deferred_free) == 1 and e.kv.num_free_blocks() < e.num_blocks - 1
         time.sleep(0.3)
         for _ in range(50):
             e.step()
-        assert len(e.scheduler.deferred_free) == 1  # P is stopped: its read may still write those blocks
+        assert len(e.scheduler.transfers.deferred_free) == 1  # P is stopped: its read may still write those blocks
         os.kill(proc.pid, signal.SIGKILL)
         drain(d, deadline=5)  # the read ends in ERR: its blocks are freed
         assert_whole(d)

@@ -74,7 +74,7 @@ def assert_whole(*llms):
         e = llm.engine
         e.check_invariants()
         assert e.kv.num_free_blocks() == e.num_blocks - 1, "blocks leaked"
-        assert not e.scheduler.leased and not e.scheduler.deferred_free
+        assert not e.scheduler.transfers.leased and not e.scheduler.transfers.deferred_free
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def pd(qwen3_tiny):
 def test_pd_equals_collocated_and_rides_full(pd, collocated):
     p, d = pd
     params = prefill_on(p, PROMPTS)
-    assert p.engine.num_leased_blocks() > 0
+    assert p.engine.gateway.num_leased_blocks() > 0
     assert params[4] is None  # "x": one token, nothing to hand over; D prefills it itself
     assert all(kp["do_remote_prefill"] and kp["remote_port"] == p.engine.connector.port
                for kp in params[:4] + params[5:])
@@ -225,7 +225,7 @@ def test_local_fallback_releases_producer_lease_at_once(pd, collocated, why, mon
         params[0] = sign_params({**params[0], "prompt_hash": "0" * 64}, "secret")
         with pytest.raises(ValueError, match="another prompt"):
             decode_on(d, PROMPTS[2:3], params)
-        assert d.engine.release_remote_kv(params[0], "d0")
+        assert d.engine.gateway.release_remote_kv("d0", params[0])
         drain(d, deadline=5)
     else:
         params[0] = sign_params({**params[0], "lease_seconds": 0.2}, "secret")  # P's own lease is 30 s...
@@ -444,12 +444,12 @@ def test_a_failed_load_releases_the_producer_lease_at_once(pd, collocated, monke
     monkeypatch.setattr(TcpConsumer, "_transfer", failing)
     p, d = pd
     params = prefill_on(p, PROMPTS[:2])
-    assert len(p.engine.scheduler.leased) == 2
+    assert len(p.engine.scheduler.transfers.leased) == 2
     out = decode_on(d, PROMPTS[:2], params)
     assert [out[i].outputs[0].token_ids for i in range(2)] == collocated[:2]
     assert d.engine.connector.stats.failures["ProtocolError"] == 2
     deadline = time.monotonic() + 5  # well inside the 30 s lease
-    while p.engine.scheduler.leased:
+    while p.engine.scheduler.transfers.leased:
         assert time.monotonic() < deadline, "P kept the leases of the failed loads"
         p.engine.step()
         time.sleep(0.01)
@@ -474,7 +474,7 @@ def test_a_hung_producer_holds_up_only_its_own_loads(qwen3_tiny, collocated):
         assert sum(failures.values()) == 8, failures  # the hung P's, and only those
         assert d.engine.connector.stats.bytes_received > 0
         deadline = time.monotonic() + 5
-        while p.engine.scheduler.leased:
+        while p.engine.scheduler.transfers.leased:
             assert time.monotonic() < deadline
             p.engine.step()
         assert_whole(p, d)
@@ -487,7 +487,7 @@ def test_a_hung_producer_holds_up_only_its_own_loads(qwen3_tiny, collocated):
 def test_lease_expires_when_decode_never_comes(qwen3_tiny):
     p = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.3)
     prefill_on(p, PROMPTS[:3])
-    assert p.engine.num_leased_blocks() > 0
+    assert p.engine.gateway.num_leased_blocks() > 0
     t0 = time.monotonic()
     drain(p, deadline=5)
     assert time.monotonic() - t0 >= 0.2

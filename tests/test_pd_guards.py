@@ -13,7 +13,7 @@ def test_reused_id_is_refused_while_its_kv_is_leased(qwen3_tiny):
         p.engine.add_request("def f(x):\n" * 4, sp, request_id="X", kv_transfer_params={"do_remote_decode": True})
         while p.engine.scheduler.has_unfinished():
             p.engine.step()
-        assert "X" in p.engine.scheduler.leased
+        assert "X" in p.engine.scheduler.transfers.leased
         leased = list(p.engine.kv.req_blocks["X"])
         with pytest.raises(ValueError, match="'X' is still in use"):
             p.engine.add_request("import os", sp, request_id="X")

@@ -6,9 +6,7 @@ The model is qwen3_tiny with a tokenizer that adds a BOS, as Llama's does: the t
 with it add_special_tokens would change nothing a test could see."""
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient

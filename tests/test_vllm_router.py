@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_harness import (KV_TOKEN, REPO, RouterProcess, ServerProcess, _die_with_parent, complete,
+from tests.server_harness import (REPO, RouterProcess, ServerProcess, _die_with_parent, complete,
                                   free_port, kv_config, kv_state, metric, metrics, wait_pools_whole)
 
 VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")

@@ -1,6 +1,8 @@
 """LLMEngine: tokenization, validation, and the schedule -> run -> update step.
 
-Its outputs are built in output_processor.py; its P/D face (kv_transfer_params checks, leases, probes) is engine_pd.py.
+Its outputs are built in output_processor.py; its P/D face (kv_transfer_params checks and proofs, leases, probes) is
+the `KVGateway` (kv_gateway.py), and the scheduler's P/D half (loads, leases, held blocks) is `KVTransfers`
+(kv_transfers.py): both own their state, and the connector sees neither, only a `ConnectorContext`.
 """
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ from typing import Optional, Union
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.core.engine_pd import EnginePDMixin
+from pdserve.core.kv_gateway import KVGateway, compat_fields
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.output_processor import OutputProcessor
+from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.model.loader import check_model_dir, model_dims, read_json_file, resolve_dtype
@@ -22,7 +25,8 @@ from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched_output import cdiv
-from pdserve.transfer.base import make_connector
+from pdserve.transfer.base import ConnectorContext
+from pdserve.transfer.factory import make_connector
 from pdserve.worker import memory
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -37,7 +41,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine(EnginePDMixin):
+class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc = config.model
@@ -73,12 +77,14 @@ class LLMEngine(EnginePDMixin):
         if from_memory:
             memory.check_after_capture(config.cache.gpu_memory_utilization)
         self.tokenizer = load_tokenizer(mc.model)
-        self.connector = make_connector(config.kv_transfer, self)
+        self.connector = make_connector(config.kv_transfer, self._connector_context())
         if self.connector is not None:
             self.connector.register_kv_caches(self.runner.kv_caches)
         policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.connector, policy,
-                                   config.speculative_config)
+        transfers = KVTransfers(self.kv, self.connector, policy)
+        self.gateway = KVGateway(config.kv_transfer, self.connector, transfers)
+        transfers.sign = self.gateway.sign
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.speculative_config, transfers)
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
@@ -108,6 +114,14 @@ class LLMEngine(EnginePDMixin):
                              f"({self.max_model_len}) sequence; raise kv_cache_memory_gb or lower max_model_len")
         return n
 
+    def _connector_context(self) -> Optional[ConnectorContext]:
+        cfg = self.config.kv_transfer
+        if cfg is None or cfg.kv_connector == "DecodeBenchConnector":  # no connector: nothing to hash
+            return None
+        bs = self.config.cache.block_size
+        return ConnectorContext(bs, compat_fields(self.config.model.model, self.hf_config, self.max_model_len,
+                                                  self.dtype, bs))
+
     def _eos_ids(self) -> frozenset[int]:
         eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)
         eos = eos if isinstance(eos, list) else [eos]
@@ -125,6 +139,14 @@ class LLMEngine(EnginePDMixin):
                     arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None,
                     cache_salt: Optional[str] = None) -> Request:
         """`cache_salt` (vLLM's): prefix-cache blocks are shared only among requests with the same salt."""
+        return self.add(self.make_request(prompt, params, request_id, arrival_time, kv_transfer_params, cache_salt))
+
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                     arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None,
+                     cache_salt: Optional[str] = None) -> Request:
+        """The request checked (tokenized, validated, its kv_transfer_params verified: ValueError, the client's
+        fault) and built, not yet added: a decode node's engine loop checks a P/D request once, asks P whether it
+        still holds the KV, then `add`s it."""
         params = params or self.default_sampling_params()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}"[:120])
@@ -135,13 +157,10 @@ class LLMEngine(EnginePDMixin):
         if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
             raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
         if kv_transfer_params is not None:
-            kv_transfer_params = self._check_kv_params(kv_transfer_params, token_ids)
+            kv_transfer_params = self.gateway.check(kv_transfer_params, token_ids)
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
-        elif self._id_in_use(request_id):
-            raise ValueError(f"request id {request_id!r} is still in use (running, or its KV still leased to a decode "
-                             "node or being released)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
@@ -152,14 +171,21 @@ class LLMEngine(EnginePDMixin):
         req.metrics = RequestMetrics(req.arrival_time,
                                      kv_remote=bool((kv_transfer_params or {}).get("do_remote_prefill")))
         req.prompt_text = prompt if isinstance(prompt, str) else None
+        return req
+
+    def add(self, req: Request) -> Request:
+        """Add a request `make_request` built (and checked)."""
+        if self._id_in_use(req.request_id):
+            raise ValueError(f"request id {req.request_id!r} is still in use (running, or its KV still leased to a "
+                             "decode node or being released)")
         self.scheduler.add_request(req)  # last: a request the scheduler holds is whole
         return req
 
     def _id_in_use(self, request_id: str) -> bool:
         """An id whose blocks are still held: reusing it would hand the new request the old one's KV (a P's lease
         that D may be reading, or blocks a D's loader is still writing)."""
-        s = self.scheduler
-        return any(request_id in d for d in (s.requests, s.leased, s.deferred_free, self.kv.req_blocks))
+        return request_id in self.scheduler.requests or self.scheduler.transfers.holds(request_id) or \
+            request_id in self.kv.req_blocks
 
     def add_prefilled_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                               request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> Request:
@@ -238,7 +264,7 @@ class LLMEngine(EnginePDMixin):
             return []
         fin = self.connector.get_finished()
         now = time.monotonic()
-        for rid in fin.done_recving | set(fin.failed):
+        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue):
             if (req := self.scheduler.requests.get(rid)) is not None:
                 req.metrics.kv_load_end_time = now
                 req.metrics.kv_loaded = rid in fin.done_recving

@@ -25,16 +25,15 @@ from typing import Optional, Sequence
 
 from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
-from pdserve.core.scheduler_pd import SchedulerPDMixin
+from pdserve.core.kv_transfers import KVTransfers
 from pdserve.request import Request, RequestStatus
 from pdserve.sched_output import NO_DRAFTS, ScheduledRow, SchedulerOutput
 from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.ngram_proposer import NgramProposer
-from pdserve.transfer.channel.proof import sign_params
 
-class Scheduler(SchedulerPDMixin):
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None,
-                 load_failure_policy: str = "recompute", speculative_config: Optional[SpeculativeConfig] = None):
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 speculative_config: Optional[SpeculativeConfig] = None, transfers: Optional[KVTransfers] = None):
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # Without chunking a whole (re)computed sequence must fit one step, or it could never be admitted.
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
@@ -43,8 +42,6 @@ class Scheduler(SchedulerPDMixin):
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()  # to admit, in order (fresh, preempted, loads short of blocks)
-        self.loading: dict[str, Request] = {}  # D: WAITING_FOR_REMOTE_KV, its blocks being filled from P
-        self.ready: deque[Request] = deque()  # D: holding imported KV, waiting for a seat for its replay
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -53,10 +50,10 @@ class Scheduler(SchedulerPDMixin):
         self.prefix_cache_queries = 0
         self.external_prefix_cache_queries = self.external_prefix_cache_hits = 0  # with a KV connector, as vLLM's
         self.prefix_cache_hits = 0
-        self.connector = connector
-        self.load_failure_policy = load_failure_policy
-        self.leased: dict[str, Request] = {}  # P: finished, blocks kept until D read them or the lease ended
-        self.deferred_free: dict[str, Request] = {}  # D: finished while its KV load still writes its blocks
+        # the P/D half (loads, imported KV waiting for a seat, leases, held blocks); without a connector only its
+        # `ready` queue is used (the arrival driver's imports)
+        self.transfers = transfers if transfers is not None else KVTransfers(kv)
+        self.connector = self.transfers.connector
         self.spec = speculative_config
         self.proposer = NgramProposer(speculative_config, max_model_len) if speculative_config else None
 
@@ -65,20 +62,26 @@ class Scheduler(SchedulerPDMixin):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        if self.connector is not None and (req.kv_transfer_params or {}).get("do_remote_prefill"):
-            self.connector.watch_lease(req)  # kept alive while it queues, wherever it is in the queue
+        self.transfers.watch(req)
 
     def mark_imported(self, req: Request) -> None:
         """`req`, just added, holds the KV of its first n - 1 prompt tokens (the arrival driver filled it)."""
         self.waiting.pop() if self.waiting[-1] is req else self.waiting.remove(req)
-        self.ready.append(req)
+        self.transfers.ready.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.ready or self.loading)
+        return bool(self.waiting or self.running or self.transfers.num_waiting)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.ready) + len(self.loading)
+        return len(self.waiting) + self.transfers.num_waiting
+
+    def process_transfers(self, fin) -> list[Request]:
+        """Apply the connector's finished transfers (KVTransfers.process); returns the requests that failed."""
+        recompute, failed = self.transfers.process(fin)
+        self.waiting.extendleft(recompute)  # each to the front in turn: they came before what arrived while loading
+        self.waiting.extendleft(req for req, _ in failed)  # finish_request takes them from there
+        return [self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, why) for req, why in failed]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -113,24 +116,25 @@ class Scheduler(SchedulerPDMixin):
         seats = self.config.max_num_seqs
         # Requests holding imported KV go first: a replay needs a seat and one token, no block (its slot came with
         # the load), and finishing them frees memory for the rest.
-        while self.ready and budget > 0 and len(self.running) < seats:
-            req = self.ready[0]
+        ready = self.transfers.ready
+        while ready and budget > 0 and len(self.running) < seats:
+            req = ready[0]
             num_new = req.num_tokens - req.num_computed_tokens
             drafts = self._drafts(req) if drafting else NO_DRAFTS
             if drafts and (num_new + len(drafts) > budget or not self.kv.allocate_slots(req, num_new + len(drafts))):
                 drafts = NO_DRAFTS  # its load allocated the lookahead slots; an arrival driver's import may not
             if num_new + len(drafts) > budget or not self.kv.allocate_slots(req, num_new):
                 break
-            self.ready.popleft()
+            ready.popleft()
             budget -= self._admit(req, [], req.num_computed_tokens, num_new + len(drafts), out, drafts)
         # Then strictly FIFO: the first request that cannot be admitted stops admission, so a step costs the same
         # however many wait behind it.
         while self.waiting and budget > 0 and len(self.running) < seats:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
-            load = self._start_remote_load(req, hits, num_hit)
+            load = self.transfers.start_load(req, hits, num_hit, self.num_lookahead(req))
             if load == "loading":
-                self.loading[self.waiting.popleft().request_id] = req
+                self.waiting.popleft()
                 self._count_lookup(req, num_hit, req.num_prompt_tokens - 1 - num_hit)  # what the connector loads
                 continue
             left = req.num_tokens - num_hit
@@ -258,33 +262,18 @@ class Scheduler(SchedulerPDMixin):
             return None
         if req in self.running:
             self.running.remove(req)
-        elif self.loading.pop(request_id, None) is None:
-            (self.ready if req in self.ready else self.waiting).remove(req)
+        elif not self.transfers.take(req):
+            self.waiting.remove(req)
         loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KV
         req.status = status
         req.error = error
-        keep = False
-        if self.connector is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            keep, out = self.connector.request_finished(req, self.kv.blocks_of(request_id))
-            if out:  # P vouches for its own params: D checks this proof, whoever relays them
-                out = sign_params(out, self.connector.config.auth_token())
-            req.kv_transfer_params_out = out
-        elif self.connector is not None and req.kv_transfer_params and not req.kv_load_tried:
-            self.connector.request_abandoned(req)  # e.g. aborted while short of blocks for its load
-        if keep:
-            self.leased[request_id] = req
-        elif loading:  # a loader thread may still write these blocks: free them when it reports
-            self.deferred_free[request_id] = req
-        else:
-            self.kv.free(req)
+        self.transfers.finish(req, status, loading)
         return req
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        owners = {r.request_id for q in (self.running, self.waiting, self.ready) for r in q} | set(self.loading) \
-            | set(self.leased) | set(self.deferred_free)
+        owners = {r.request_id for q in (self.running, self.waiting) for r in q} | self.transfers.owners()
         assert set(self.kv.req_blocks) <= owners, f"blocks held by unknown requests: {set(self.kv.req_blocks) - owners}"
         for r in self.waiting:  # only requests with imported KV (ready) or KV on its way (loading) hold blocks
             assert r.request_id not in self.kv.req_blocks and r.num_computed_tokens == 0, f"{r} waits holding blocks"
-        assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.loading.values())
-        assert all(r.num_computed_tokens > 0 and r.status == RequestStatus.WAITING for r in self.ready)
+        self.transfers.check_invariants()

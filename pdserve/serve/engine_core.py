@@ -46,7 +46,7 @@ class EngineCore:
         # ~95 ms on a D, a pause that would land inside a decode step)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None))
-        self._checks = LeaseChecks(getattr(eng, "remote_lease_left", lambda params: 1.0))
+        self._checks = LeaseChecks(eng.gateway.remote_lease_left)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
         try:
@@ -116,25 +116,27 @@ class EngineCore:
             try:
                 if name not in ("release_lease", "check_kv_probe"):
                     raise ValueError(f"no engine call {name!r}")
-                result = getattr(self.engine, name)(arg)
+                result = getattr(self.engine.gateway, name)(arg)
             except Exception as e:
                 result = e
             batch.replies.append((qid, result))
         elif op == "stop":
             self._stop = True
 
-    def _add(self, cmd: tuple, batch: StepBatch, checked: bool = False) -> None:
+    def _add(self, cmd: tuple, batch: StepBatch, req=None) -> None:
+        """`req`: the request made (and checked) when `cmd` came in, after P answered the lease check."""
         eng = self.engine
         _, rid, token_ids, params, arrival, kv_params, salt = cmd  # salt: vLLM's cache_salt
         try:
+            if req is None:
+                req = eng.make_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params,
+                                       cache_salt=salt)
+                if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
+                    self._checks.submit(rid, req.kv_transfer_params, (cmd, req))  # checked once, here
+                    return
+            eng.add(req)
             if kv_params is None:
-                eng.add_request(token_ids, params, rid, arrival_time=arrival, cache_salt=salt)
                 return
-            if not checked and isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
-                self._checks.submit(rid, eng.check_remote_request(token_ids, params, kv_params), cmd)
-                return
-            eng.add_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params,
-                            cache_salt=salt)
             batch.records.append(TokenRecord(rid, [], "", False))  # accepted: the server may answer now
         except ValueError as e:  # what only the engine can check (kv_transfer_params): the client's fault
             self._refuse(rid, kv_params, str(e), batch)
@@ -149,7 +151,8 @@ class EngineCore:
         batch.records.append(TokenRecord(rid, [], "", True, "error", error=why, rejected=True))
         self._release_remote(rid, kv_params)
 
-    def _checked(self, cmd: tuple, left: Optional[float], wanted: bool, batch: StepBatch) -> None:
+    def _checked(self, cmd_req: tuple, left: Optional[float], wanted: bool, batch: StepBatch) -> None:
+        cmd, req = cmd_req
         rid, kv_params = cmd[1], cmd[5]
         if not wanted:  # aborted while P was asked
             self._release_remote(rid, kv_params)
@@ -157,15 +160,15 @@ class EngineCore:
             self._refuse(rid, kv_params, "kv_transfer_params expired: the prefill node no longer holds this KV (its "
                          "lease ended, was released, or was used already); prefill the prompt again", batch)
         else:
-            self._add(cmd, batch, checked=True)
+            self._add(cmd, batch, req)
 
     def _release_remote(self, rid: str, kv_params) -> None:
-        """D: P's lease for a refused request ends now, not at its expiry (LLMEngine.release_remote_kv checks the
+        """D: P's lease for a refused request ends now, not at its expiry (KVGateway.release_remote_kv checks the
         router's proof and the peer first)."""
-        if kv_params is None or not hasattr(self.engine, "release_remote_kv"):
+        if kv_params is None:
             return
         try:
-            if self.engine.release_remote_kv(kv_params, rid):
+            if self.engine.gateway.release_remote_kv(rid, kv_params):
                 logger.info("told the prefill node to release the refused request's KV", extra={"request_id": rid})
         except Exception:  # never the engine loop's end
             logger.exception("releasing the prefill node's lease failed", extra={"request_id": rid})
@@ -173,9 +176,9 @@ class EngineCore:
     def _q_stats(self) -> dict:
         eng = self.engine
         s = eng.scheduler
-        transfer = eng.transfer_stats() if hasattr(eng, "transfer_stats") else None
+        transfer = eng.gateway.transfer_stats()
         return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
-                "waiting_deferred": len(s.loading) + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
+                "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,
                 "external_prefix_cache": (s.external_prefix_cache_queries, s.external_prefix_cache_hits)
@@ -186,11 +189,11 @@ class EngineCore:
         return True
 
     def _q_kv_probe(self) -> Optional[dict]:
-        return self.engine.kv_probe()
+        return self.engine.gateway.kv_probe()
 
     def _q_leases(self) -> int:
         """P/D producer: finished prefills whose KV a decode node may still read."""
-        return len(self.engine.scheduler.leased)
+        return len(self.engine.scheduler.transfers.leased)
 
     def _q_kv(self) -> dict:
         eng = self.engine
@@ -205,8 +208,7 @@ class EngineCore:
                "invariants_ok": ok}
         if err:
             out["invariant_error"] = err
-        if hasattr(eng, "num_leased_blocks"):
-            out["leased_blocks"] = eng.num_leased_blocks()  # P: blocks held for decode nodes to read
+        out["leased_blocks"] = eng.gateway.num_leased_blocks()  # P: blocks held for decode nodes to read
         return out
 
 

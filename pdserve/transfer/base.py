@@ -1,14 +1,20 @@
-"""KV connector API in two halves, as vLLM's KV connector v1, and the connector registry.
+"""The KV connector contract in two halves, as vLLM's KV connector v1, written once here.
 
 Scheduler side (engine thread): which tokens can come from elsewhere, what to load after blocks are allocated,
 what a finished request hands on. Worker side: owns the KV tensors' remote I/O, runs loads in the background and
 reports, when polled, which finished and which failed. Loads write only blocks the request owns alone.
+
+A connector never sees the engine: it is made with a `ConnectorContext` (what it may know of this node), reads a
+request's block ids where the scheduler hands them over, and reports everything back through `FinishedTransfers`,
+which the scheduler's P/D half (core/kv_transfers.py) applies. Every optional call has a default here (a no-op, or
+"nothing to say"), so the engine calls them without asking first; `MultiConnector` fans them out.
+Connectors are registered by module path and imported when first made (factory.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from pdserve.request import Request
 
@@ -40,12 +46,39 @@ class FinishedTransfers:
     done_sending: set[str] = field(default_factory=set)  # producer: leases to release (confirmed or expired)
     done_recving: set[str] = field(default_factory=set)  # consumer: loads that completed and verified
     failed: dict[str, str] = field(default_factory=dict)  # consumer: request id -> why the load failed
+    # consumer: loads that cannot be stopped (a posted one-sided read) and are overdue: request id -> why. The
+    # request goes on (its failure policy) without its blocks, which stay out of use until the load is reported in
+    # `ended`; a request that finished while loading keeps its blocks held the same way.
+    overdue: dict[str, str] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)  # consumer: overdue loads now over (one entry per overdue report)
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What a connector may know of the node that makes it: never the engine itself."""
+    block_size: int  # tokens per KV block
+    compat: dict = field(default_factory=dict)  # what a KV peer must share with this node for blocks to mean the same
+
+
+def merge_stats(parts: list[dict]) -> Optional[dict]:
+    """Transfer counters of several connectors summed (a MultiConnector's children); None when none has any."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    out = {"bytes_sent": 0, "bytes_received": 0, "seconds_receiving": 0.0, "failures": {}, "nixl": {}}
+    for p in parts:
+        for k in ("bytes_sent", "bytes_received", "seconds_receiving"):
+            out[k] += p[k]
+        for cause, n in p["failures"].items():
+            out["failures"][cause] = out["failures"].get(cause, 0) + n
+        out["nixl"] = out["nixl"] or p["nixl"]  # vLLM's NIXL series (NixlConnector)
+    return out
 
 
 class KVConnector(ABC):
-    def __init__(self, config, engine):
+    def __init__(self, config, ctx: Optional[ConnectorContext]):
         self.config = config  # KVTransferConfig
-        self.engine = engine
+        self.ctx = ctx
 
     # ---- scheduler side -------------------------------------------------------------------------------------
     @abstractmethod
@@ -96,24 +129,23 @@ class KVConnector(ABC):
     def shutdown(self) -> None:
         pass
 
+    # ---- the engine's P/D gateway (optional: the defaults say "nothing here") ----------------------------------
+    def check_remote(self, params: dict) -> float:
+        """Consumer: seconds the producer still holds the KV that checked `params` name (0.0: released, expired or
+        never made there), asked over the KV session; raises when P cannot be asked. The default trusts the
+        params' own lease."""
+        return float(params.get("lease_seconds", 0.0))
 
-CONNECTORS: dict[str, Callable[..., KVConnector]] = {}
+    def release_remote(self, params: dict, request_id: str) -> bool:
+        """Consumer: tell the producer to end the lease of checked `params` now (a bare `done`) for a request this
+        node refused or never started loading. True if a `done` is on its way."""
+        return False
 
-
-def register_connector(name: str):
-    def deco(cls):
-        CONNECTORS[name] = cls
-        return cls
-    return deco
-
-
-def make_connector(config, engine) -> Optional[KVConnector]:
-    # the arrival driver works through LLMEngine.add_prefilled_request: nothing to connect, and nothing imported,
-    # since the transfer modules need server packages (cryptography) that a GPU benchmark machine may lack
-    if config is None or config.kv_connector == "DecodeBenchConnector":
+    def release_lease(self, transfer_id: str, request_id: str) -> Optional[bool]:
+        """Producer: end the open lease `transfer_id` of `request_id` now (the router's call for params no decode
+        node took). True released; False no such open lease; None: this connector keeps no leases."""
         return None
-    if not {config.kv_connector, *(c.kv_connector for c in config.connectors)} <= CONNECTORS.keys():
-        import pdserve.transfer.tcp.connector  # noqa: F401  (registers TcpConnector)
-        import pdserve.transfer.multi  # noqa: F401
-        import pdserve.transfer.nixl.connector  # noqa: F401  (imports no nixl: NixlConnector checks for it when made)
-    return CONNECTORS[config.kv_connector](config, engine)
+
+    def transfer_stats(self) -> Optional[dict]:
+        """Counters for /metrics ({bytes_sent, bytes_received, seconds_receiving, failures, nixl}), or None."""
+        return None

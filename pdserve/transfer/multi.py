@@ -1,19 +1,20 @@
 """MultiConnector: loads from the first child that can supply the tokens, hands finished requests to all. A finished
 request whose blocks several children keep (each its own lease) is freed only when every one of them has let go:
-the first child's lease expiring must not free blocks another child's reader may still be reading."""
+the first child's lease expiring must not free blocks another child's reader may still be reading. The gateway's
+optional calls fan out to every child."""
 from __future__ import annotations
 
 from typing import Optional
 
 from pdserve.request import Request
-from pdserve.transfer.base import CONNECTORS, ConnectorMeta, FinishedTransfers, KVConnector, register_connector
+from pdserve.transfer.base import ConnectorContext, ConnectorMeta, FinishedTransfers, KVConnector, merge_stats
+from pdserve.transfer.factory import connector_class
 
 
-@register_connector("MultiConnector")
 class MultiConnector(KVConnector):
-    def __init__(self, config, engine):
-        super().__init__(config, engine)
-        self.children = [CONNECTORS[c.kv_connector](c, engine) for c in config.connectors]
+    def __init__(self, config, ctx: Optional[ConnectorContext]):
+        super().__init__(config, ctx)
+        self.children = [connector_class(c.kv_connector)(c, ctx) for c in config.connectors]
         self._source: dict[str, KVConnector] = {}
         self._load_owner: dict[str, KVConnector] = {}
         self._keepers: dict[str, int] = {}  # finished request id -> children still keeping its blocks
@@ -82,6 +83,8 @@ class MultiConnector(KVConnector):
                     out.done_sending.add(rid)
             out.done_recving |= f.done_recving
             out.failed.update(f.failed)
+            out.overdue.update(f.overdue)
+            out.ended |= f.ended
         return out
 
     def has_pending(self) -> bool:
@@ -90,3 +93,21 @@ class MultiConnector(KVConnector):
     def shutdown(self) -> None:
         for c in self.children:
             c.shutdown()
+
+    # ---- the gateway's calls, fanned out ---------------------------------------------------------------------
+    def check_remote(self, params: dict) -> float:
+        return max(c.check_remote(params) for c in self.children)
+
+    def release_remote(self, params: dict, request_id: str) -> bool:
+        return any(c.release_remote(params, request_id) for c in self.children)
+
+    def release_lease(self, transfer_id: str, request_id: str) -> Optional[bool]:
+        answers = []
+        for c in self.children:
+            answers.append(c.release_lease(transfer_id, request_id))
+            if answers[-1]:
+                return True
+        return None if all(a is None for a in answers) else False
+
+    def transfer_stats(self) -> Optional[dict]:
+        return merge_stats([c.transfer_stats() for c in self.children])

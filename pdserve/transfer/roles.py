@@ -19,10 +19,6 @@ class RoleConnector(KVConnector):
         return True
 
     @property
-    def _lock(self):  # what the engine holds while it copies `stats`
-        return self.stats.lock
-
-    @property
     def leases(self) -> dict[str, Lease]:
         return self.lease_table.leases
 
@@ -31,6 +27,17 @@ class RoleConnector(KVConnector):
         if self.producer is None:  # consumer only: no KV server that a decoder could read these blocks from
             return False, None
         return self.producer.request_finished(req, block_ids)
+
+    def transfer_stats(self) -> Optional[dict]:
+        with self.stats.lock:  # a loader thread adding a failure cause mid-copy would break the copy
+            st = self.stats
+            out = {"bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
+                   "seconds_receiving": st.seconds_receiving, "failures": dict(st.failures)}
+        return {**out, "nixl": self.nixl_stats()}
+
+    def nixl_stats(self) -> dict:
+        """vLLM's NIXL series (NixlConnector's); {} for other transports."""
+        return {}
 
     def leased_blocks(self) -> int:
         return self.lease_table.num_blocks()

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job, register_connector
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job
+from pdserve.transfer.factory import register_connector
 from pdserve.transfer.channel.proof import sign_params
 
 NAME = "FuzzConnector"
@@ -72,12 +73,11 @@ class FakeP:
             lease.state = "released"
 
 
-@register_connector(NAME)
 class FuzzConnector(KVConnector):
-    def __init__(self, config, engine):
-        super().__init__(config, engine)
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
         self.timeout = int(config.kv_connector_extra_config.get("timeout_steps", 8))
-        self.block_size = engine.config.cache.block_size
+        self.block_size = ctx.block_size
         self.p = FakeP()
         self._queued: list[LoadJob] = []
         self._inflight: dict[str, Load] = {}
@@ -202,3 +202,6 @@ class FuzzConnector(KVConnector):
     def max_wait_steps(self) -> int:
         """The longest a load lives: it ends by its timeout (a slower answer fails there)."""
         return self.timeout + 2
+
+
+register_connector(NAME, __name__, "FuzzConnector")

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -155,6 +156,9 @@ class LeaseKeeper:
         self.default_seconds, self.renew, self.submit = default_seconds, renew, submit
         self._lock = threading.Lock()
         self._renewing: set[str] = set()  # requests whose renewal is in flight
+        # until when (this host's clock) P holds each request's KV; keyed by the request itself, so an entry dies
+        # with its request whatever path it ends by; written by renewals in the background, under _lock
+        self._lease_end: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._watched: list = []  # heap of (when to look again, seq, request); engine thread only
         self._seq = 0
 
@@ -163,10 +167,8 @@ class LeaseKeeper:
 
     def time_left(self, req) -> float:
         seconds, now = self._seconds(req), time.monotonic()
-        if req.kv_lease_end is None:
-            req.kv_lease_end = req.arrival_time + 0.9 * seconds
-        left = req.kv_lease_end - now
         with self._lock:
+            left = self._lease_end.setdefault(req, req.arrival_time + 0.9 * seconds) - now
             due = 0 < left < seconds / 2 and req.request_id not in self._renewing
             if due:
                 self._renewing.add(req.request_id)
@@ -195,11 +197,12 @@ class LeaseKeeper:
 
     def _renew(self, req) -> None:
         sent = time.monotonic()
+        end = sent
         try:
-            req.kv_lease_end = sent + 0.9 * self.renew(req.kv_transfer_params)
+            end = sent + 0.9 * self.renew(req.kv_transfer_params)
         except Exception as e:
             logger.info("request %s: could not renew the producer's lease: %s", req.request_id, e)
-            req.kv_lease_end = sent
         finally:
             with self._lock:
+                self._lease_end[req] = end
                 self._renewing.discard(req.request_id)

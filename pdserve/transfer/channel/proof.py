@@ -82,7 +82,3 @@ def verified_params(params, token: str, label: str = PARAMS_LABEL) -> Optional[d
     if extra:
         logger.debug("kv_transfer_params: ignoring unsigned field(s) %s", ", ".join(extra))
     return {**fields, PROOF_FIELD: proof}
-
-
-def verify_params(params, token: str, label: str = PARAMS_LABEL) -> bool:
-    return verified_params(params, token, label) is not None

@@ -51,7 +51,7 @@ from typing import Optional
 
 from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.transfer.nixl import agent as nixl_agent
-from pdserve.transfer.base import FinishedTransfers, register_connector
+from pdserve.transfer.base import ConnectorContext, FinishedTransfers
 from pdserve.transfer.channel.leases import LeaseTable
 from pdserve.transfer.roles import RoleConnector
 from pdserve.transfer.nixl.consumer import NAME, NixlConsumer
@@ -123,25 +123,23 @@ def _threads() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")} if os.path.isdir("/proc/self/task") else set()
 
 
-@register_connector(NAME)
 class NixlConnector(RoleConnector):
-    def __init__(self, config, engine):
+    def __init__(self, config, ctx: ConnectorContext):
         if not nixl_agent.available():
             raise RuntimeError(f"kv_transfer_config.kv_connector {NAME} needs nixl, which is not importable here: "
                                f"{INSTALL}")
-        super().__init__(config, engine)
+        super().__init__(config, ctx)
         _ucx_env(config)
-        self.block_size, token = engine.config.cache.block_size, config.auth_token().encode()
+        self.block_size, token = ctx.block_size, config.auth_token().encode()
         self.stats, self.nstats, self.lease_table = TransferStats(), NixlStats(), LeaseTable(config.kv_lease_seconds)
         self.agent: Optional[nixl_agent.NixlAgent] = None
         self.producer = self.consumer = None
         if config.kv_role in ("kv_producer", "kv_both"):
-            self.producer = NixlProducer(config, token, engine.compat_fields(), self.block_size, self.lease_table,
+            self.producer = NixlProducer(config, token, ctx.compat, self.block_size, self.lease_table,
                                          self.stats)
             self.port = self.producer.port
         if config.kv_role in ("kv_consumer", "kv_both"):
-            self.consumer = NixlConsumer(config, token, engine.compat_fields(), self.block_size, self.stats,
-                                         self.nstats, engine)
+            self.consumer = NixlConsumer(config, token, ctx.compat, self.block_size, self.stats, self.nstats)
             self.pool = self.consumer.pool
 
     def register_kv_caches(self, kv_caches: list) -> None:
@@ -168,7 +166,7 @@ class NixlConnector(RoleConnector):
         out = FinishedTransfers()
         if self.consumer is not None:
             self.consumer.tcp.keeper.tick()
-            out.done_recving, out.failed = self.consumer.take_finished()
+            self.consumer.take_finished(out)
         if self.producer is not None and self.agent is not None:
             self.producer.poll()
         out.done_sending, expired = self.lease_table.reap()

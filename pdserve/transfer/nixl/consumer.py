@@ -5,7 +5,7 @@ requests alive, renews and releases (`check_remote`, `release_remote`), and send
 thread claims the lease over a pooled session and posts one prepared READ; one poller thread follows every read to
 its end. A posted read cannot be cancelled, so the blocks under it stay out of use until it ends in DONE or ERR,
 even when the request has moved on (the failure policy ran at the deadline, or the request was aborted): the
-scheduler holds them (`hold_blocks`). P's agents, added on first sight, are nixl_peers.py's.
+scheduler holds them (reported `overdue`, then `ended`). P's agents, added on first sight, are nixl_peers.py's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.request import Request
-from pdserve.transfer.base import ConnectorMeta, LoadJob
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, LoadJob
 from pdserve.transfer.nixl.agent import NixlError, Transfer
 from pdserve.transfer.nixl.peers import AgentPeers
 from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
@@ -43,12 +43,12 @@ class _Read:
     queued: float
     deadline: float  # past it D never uses what the read wrote: P's hold on the blocks may be over
     overdue: bool = False
-    report_as: Optional[str] = None  # the id the scheduler holds its blocks under once overdue (hold_blocks)
+    reported_overdue: bool = False  # the scheduler holds its blocks until this read's end is reported
 
 
 class NixlConsumer:
-    def __init__(self, config, token: bytes, compat: dict, block_size: int, stats: TransferStats, nstats, engine):
-        self.config, self.stats, self.nstats, self.engine = config, stats, nstats, engine
+    def __init__(self, config, token: bytes, compat: dict, block_size: int, stats: TransferStats, nstats):
+        self.config, self.stats, self.nstats = config, stats, nstats
         self.tcp = TcpConsumer(config, token, compat, block_size, KVBlocks(), stats)
         self.pool, self.agent, self.peers = self.tcp.pool, None, None
         self._cv = threading.Condition()
@@ -229,24 +229,22 @@ class NixlConsumer:
         with self._cv:
             self._events.append((kind, r.job.request_id, why, r))
 
-    def take_finished(self) -> tuple[set[str], dict[str, str]]:
-        """Engine thread. An overdue read's request goes on now (the failure policy) without its blocks: the
-        scheduler holds them (as those of a request finished while loading) until the read's end reports them."""
-        done, failed = self.tcp.take_finished()
+    def take_finished(self, out: FinishedTransfers) -> None:
+        """Engine thread: fill `out`. An overdue read's request goes on now (the failure policy) without its blocks:
+        the scheduler holds them (`overdue`) until the read's end is reported (`ended`)."""
+        out.done_recving, out.failed = self.tcp.take_finished()
         with self._cv:
             events, self._events = self._events, []
         for kind, rid, why, r in events:
             if kind == "done":
-                done.add(rid)
+                out.done_recving.add(rid)
             elif kind == "failed":
-                failed[rid] = why
+                out.failed[rid] = why
             elif kind == "overdue":
-                r.report_as = self.engine.scheduler.hold_blocks(rid, "nixl-read")
-                if r.report_as != rid:
-                    failed[rid] = why
-            elif r.report_as is not None:  # "ended": the overdue read is over, its blocks may be reused
-                failed[r.report_as] = why
-        return done, failed
+                out.overdue[rid] = why
+                r.reported_overdue = True
+            elif r.reported_overdue:  # "ended": the overdue read is over, its blocks may be reused
+                out.ended.add(rid)
 
     def has_pending(self) -> bool:
         with self._cv:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdserve.transfer.base import FinishedTransfers, register_connector
+from pdserve.transfer.base import ConnectorContext, FinishedTransfers
 from pdserve.transfer.channel.leases import Lease, LeaseTable, prompt_hash
 from pdserve.transfer.roles import RoleConnector
 from pdserve.transfer.channel.blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
@@ -24,13 +24,12 @@ __all__ = ["BLOCKS_PER_READ", "Lease", "TcpConnector", "TransferStats", "prompt_
 NAME = "TcpConnector"
 
 
-@register_connector(NAME)
 class TcpConnector(RoleConnector):
-    def __init__(self, config, engine):
-        super().__init__(config, engine)
-        self.block_size = engine.config.cache.block_size
+    def __init__(self, config, ctx: ConnectorContext):
+        super().__init__(config, ctx)
+        self.block_size = ctx.block_size
         self.token = config.auth_token().encode()
-        self.compat = engine.compat_fields()
+        self.compat = ctx.compat
         self.stats = TransferStats()
         self.lease_table = LeaseTable(config.kv_lease_seconds)
         self.blocks = KVBlocks()

@@ -106,7 +106,6 @@ class TcpConsumer:
         elif p.get("num_prompt_tokens") != n or p.get("prompt_hash") != prompt_hash(req.prompt_token_ids):
             why = "prompt hash mismatch (different tokenization on P and D)"
         if why:
-            req.kv_load_error = why
             self.stats.count("rejected")
             logger.warning("request %s: not loading remote KV: %s", req.request_id, why)
             if peer_ok:  # a peer this side may dial: tell it to free the lease now (never dial one outside kv_peers)

@@ -1,0 +1,182 @@
+"""The scheduler's P/D half, an object that owns its state: requests parked while their prompt KV loads, loaded
+requests waiting for a seat, finished transfers applied, and blocks kept for a remote reader or a load still writing.
+
+A decode node's (D) request with remote-prefill params:
+1. `watch` (at add): the connector keeps P's lease alive while the request queues;
+2. `start_load` (at admission): blocks for the loadable tokens, the replay's token and its lookahead slots; the
+   request is parked in `loading` (WAITING_FOR_REMOTE_KV: no seat, no token budget); short of blocks while P's lease
+   lasts it waits at the queue's head ("blocked"); otherwise it prefills locally;
+3. `process` (each step, the connector's `FinishedTransfers`): a loaded request goes to `ready` (its replay takes a
+   seat next); a failed one is recomputed locally (handed back to requeue) or failed, by the failure policy; a load
+   that cannot be stopped and is overdue (`overdue`) lets its request go on while its blocks stay held under a
+   stand-in id until the load `ended`;
+4. `finish`: a request finished while loading leaves its blocks in `deferred_free` until its load reports.
+A prefill node's (P) finished request whose blocks the connector keeps for a reader sits in `leased` until the
+connector reports it `done_sending` (read, released or expired).
+Invariant: every block a transfer may still read or write is owned by an entry here, never by the free pool.
+"""
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.request import Request, RequestStatus
+
+
+def _unsigned(params: dict) -> dict:
+    return params
+
+
+class KVTransfers:
+    def __init__(self, kv: KVCacheManager, connector=None, load_failure_policy: str = "recompute",
+                 sign: Callable[[dict], dict] = _unsigned):
+        self.kv = kv
+        self.connector = connector
+        self.load_failure_policy = load_failure_policy
+        self.sign = sign  # P vouches for the params it hands out (the engine's KV gateway signs them)
+        self.loading: dict[str, Request] = {}  # D: WAITING_FOR_REMOTE_KV, its blocks being filled from P
+        self.ready: deque[Request] = deque()  # D: holding imported KV, waiting for a seat for its replay
+        self.leased: dict[str, Request] = {}  # P: finished, blocks kept until D read them or the lease ended
+        self.deferred_free: dict[str, Request] = {}  # D: finished (or stood in for) while a load still writes
+        self.held: dict[str, deque[str]] = {}  # D: request id -> stand-in ids of its overdue loads' blocks
+
+    def watch(self, req: Request) -> None:
+        if self.connector is not None and (req.kv_transfer_params or {}).get("do_remote_prefill"):
+            self.connector.watch_lease(req)  # kept alive while it queues, wherever it is in the queue
+
+    def start_load(self, req: Request, hits: list[int], num_hit: int, num_lookahead: int) -> Optional[str]:
+        """P/D consumer: allocate blocks for the prompt KV a connector can load and park the request in `loading`
+        until the load ends: "loading". "blocked": no blocks for it yet, but the producer's lease lasts, so the
+        request waits and asks again next step. None: prefill locally."""
+        if self.connector is None or req.kv_transfer_params is None or req.kv_load_tried:
+            return None
+        num_external = self.connector.get_num_new_matched_tokens(req, num_hit)
+        if num_external <= 0:
+            req.kv_load_tried = True
+            return None
+        # The replay's slot comes with the load: a load for exactly k blocks whose replay then needed block k + 1
+        # could wait forever once waiting imports held every block (they take no seat and are never preempted).
+        alive = self.connector.lease_time_left(req) > 0  # a request that queued past its lease is not pulled
+        if not alive or not self.kv.allocate_slots(req, num_external + 1 + num_lookahead, hits):
+            if alive:
+                return "blocked"
+            # The lease ran out while blocks were short: prefill locally. No blocks to fill tells the connector
+            # to let the producer release it now (vLLM's update_state_after_alloc with none external).
+            req.kv_load_tried = True
+            self.connector.update_state_after_alloc(req, [], num_hit)
+            return None
+        req.kv_load_tried = True
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[req.request_id] = req
+        self.connector.update_state_after_alloc(req, self.kv.blocks_of(req.request_id), num_hit)
+        return "loading"
+
+    def process(self, fin) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Apply finished transfers: release P's leases; on D, a loaded request becomes its one-token replay, a
+        failed one is recomputed locally or fails. Returns (requests to prefill locally, each put at the queue's front
+        in turn; (request, why) to fail): the scheduler's queues are the scheduler's."""
+        for rid in fin.done_sending:
+            req = self.leased.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+        failed_loads = dict(fin.failed)
+        for rid, why in fin.overdue.items():
+            held = self._hold(rid)
+            if held is not None:
+                self.held.setdefault(rid, deque()).append(held)
+                if held != rid:  # the request goes on (its failure policy) without the blocks the load may write
+                    failed_loads[rid] = why
+        for rid in fin.ended:  # an overdue load is over: the blocks it held may be reused
+            standins = self.held.get(rid)
+            if standins:
+                held = standins.popleft()
+                if not standins:
+                    del self.held[rid]
+                failed_loads.setdefault(held, "the overdue load ended")
+        recompute, failed = [], []
+        for rid in fin.done_recving | set(failed_loads):
+            if rid in self.deferred_free:
+                self.kv.free(self.deferred_free.pop(rid))
+                continue
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            req.status = RequestStatus.WAITING
+            if rid in fin.done_recving:
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
+                self.kv.cache_blocks(req)  # authenticated and complete: safe to share
+                self.ready.append(req)
+            elif self.load_failure_policy == "recompute":
+                # The partly written blocks are dropped, never published; the prompt is prefilled here, in the
+                # queue's front (it came before whatever arrived while it loaded).
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                recompute.append(req)
+            else:
+                failed.append((req, failed_loads[rid]))
+        return recompute, failed
+
+    def _hold(self, request_id: str) -> Optional[str]:
+        """D: keep the blocks a load of `request_id` may still write out of use, under an id of their own, while the
+        request goes on without them: for a load that cannot be stopped (a posted one-sided read). Returns the id:
+        the request's own when it finished while loading (its deferred_free entry holds them already), a new
+        stand-in `<request_id>#held-<hex>` while it waits for the load; None when no load of it holds blocks."""
+        if request_id in self.deferred_free:
+            return request_id
+        if request_id not in self.loading:
+            return None
+        standin = f"{request_id}#held-{uuid.uuid4().hex[:8]}"
+        self.kv.req_blocks[standin] = self.kv.req_blocks.pop(request_id, [])
+        self.deferred_free[standin] = SimpleNamespace(request_id=standin)  # all kv.free reads of a request
+        return standin
+
+    def finish(self, req: Request, status: RequestStatus, was_loading: bool) -> None:
+        """`req` left the scheduler's queues as `status`: hand its blocks to a remote reader (P), keep them from a
+        load still writing (D), or free them."""
+        keep = False
+        if self.connector is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            keep, out = self.connector.request_finished(req, self.kv.blocks_of(req.request_id))
+            req.kv_transfer_params_out = self.sign(out) if out else out  # D checks this proof, whoever relays it
+        elif self.connector is not None and req.kv_transfer_params and not req.kv_load_tried:
+            self.connector.request_abandoned(req)  # e.g. aborted while short of blocks for its load
+        if keep:
+            self.leased[req.request_id] = req
+        elif was_loading:  # a loader thread may still write these blocks: free them when it reports
+            self.deferred_free[req.request_id] = req
+        else:
+            self.kv.free(req)
+
+    def take(self, req: Request) -> bool:
+        """Take `req` off `loading` or `ready` (it is finishing); False when it is in neither."""
+        if self.loading.pop(req.request_id, None) is not None:
+            return True
+        if req in self.ready:
+            self.ready.remove(req)
+            return True
+        return False
+
+    def holds(self, request_id: str) -> bool:
+        """Blocks are still held under this id (leased to a reader, or a load still writes them)."""
+        return request_id in self.leased or request_id in self.deferred_free
+
+    def num_leased_blocks(self) -> int:
+        return sum(len(self.kv.blocks_of(r)) for r in self.leased)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.ready) + len(self.loading)
+
+    def owners(self) -> set[str]:
+        """Ids of the block lists this half accounts for."""
+        return {r.request_id for r in self.ready} | set(self.loading) | set(self.leased) | set(self.deferred_free)
+
+    def check_invariants(self) -> None:
+        assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.loading.values())
+        assert all(r.num_computed_tokens > 0 and r.status == RequestStatus.WAITING for r in self.ready)
+        assert all(s in self.deferred_free for q in self.held.values() for s in q if "#held-" in s)

@@ -1,0 +1,125 @@
+"""The scheduler's P/D half (core/kv_transfers.py) through the Scheduler, with a connector whose loads end as the test
+says: a load that cannot be stopped and is overdue lets its request go on (recomputed, or failed) while its blocks
+stay out of use until the load has ended; a request finished while loading keeps its blocks held the same way. After
+every step the pools are checked, and at the end they are whole."""
+from __future__ import annotations
+
+from pdserve.config import SchedulerConfig
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.kv_transfers import KVTransfers
+from pdserve.core.scheduler import Scheduler
+from pdserve.request import Request, RequestStatus
+from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import ConnectorContext, ConnectorMeta, FinishedTransfers, KVConnector
+from tests.test_scheduler import check
+
+BLOCK = 4
+NUM_BLOCKS = 32
+
+
+class ScriptedConnector(KVConnector):
+    """Offers every remote-prefill request's prompt but its last token; reports what the test queues in `next`."""
+
+    def __init__(self):
+        super().__init__(None, ConnectorContext(BLOCK))
+        self.allocated: dict[str, list[int]] = {}
+        self.next = FinishedTransfers()
+
+    def get_num_new_matched_tokens(self, req, num_local_computed):
+        return req.num_prompt_tokens - 1 - num_local_computed
+
+    def update_state_after_alloc(self, req, block_ids, num_local_computed):
+        self.allocated[req.request_id] = list(block_ids)
+
+    def build_connector_meta(self):
+        return ConnectorMeta()
+
+    def request_finished(self, req, block_ids):
+        return False, None
+
+    def start_load_kv(self, meta):
+        pass
+
+    def get_finished(self):
+        out, self.next = self.next, FinishedTransfers()
+        return out
+
+    def lease_time_left(self, req):
+        return 30.0
+
+
+def make(policy="recompute"):
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True)
+    conn = ScriptedConnector()
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    return Scheduler(cfg, kv, 256, transfers=KVTransfers(kv, conn, policy)), kv, conn
+
+
+def remote(rid, n):
+    """A request of n prompt tokens (k blocks + 1 for n = 4k + 1) with checked remote-prefill params."""
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=2, ignore_eos=True, temperature=0),
+                   kv_transfer_params={"do_remote_prefill": True})
+
+
+def step(sched, kv, conn):
+    failed = sched.process_transfers(conn.get_finished())
+    out = sched.schedule()
+    check(sched, kv)
+    sched.update_from_output(out, [7 if row.samples else None for row in out.rows])
+    check(sched, kv)
+    return out, failed
+
+
+def test_overdue_load_recomputes_without_its_blocks_until_the_load_ends():
+    sched, kv, conn = make()
+    sched.add_request(remote("a", 4 * 3 + 1))
+    out, _ = step(sched, kv, conn)
+    assert not out.rows and "a" in sched.transfers.loading
+    loaded_into = conn.allocated["a"]
+    conn.next = FinishedTransfers(overdue={"a": "read overdue"})
+    out, failed = step(sched, kv, conn)
+    assert not failed and "a" not in sched.transfers.loading
+    standin = next(k for k in kv.req_blocks if k.startswith("a#held-"))
+    assert kv.blocks_of(standin) == loaded_into  # held, not free, while the read may still write them
+    assert out.rows and out.rows[0].request.request_id == "a" and out.rows[0].num_computed_tokens == 0  # recomputed
+    assert not set(kv.blocks_of("a")) & set(loaded_into)
+    while sched.has_unfinished():
+        step(sched, kv, conn)
+    assert kv.blocks_of(standin) == loaded_into  # the request is done; the read is not
+    conn.next = FinishedTransfers(ended={"a"})
+    step(sched, kv, conn)
+    assert not kv.req_blocks and not sched.transfers.deferred_free and not sched.transfers.held
+    assert kv.num_free_blocks() == NUM_BLOCKS - 1  # the pool is whole
+
+
+def test_overdue_load_fails_its_request_by_policy_and_holds_the_blocks():
+    sched, kv, conn = make(policy="fail")
+    sched.add_request(remote("a", 4 * 2))
+    step(sched, kv, conn)
+    loaded_into = conn.allocated["a"]
+    conn.next = FinishedTransfers(overdue={"a": "read overdue"})
+    _, failed = step(sched, kv, conn)
+    assert [r.request_id for r in failed] == ["a"] and failed[0].status == RequestStatus.FINISHED_ERROR
+    assert failed[0].error == "read overdue" and not sched.has_unfinished()
+    assert sorted(b for k, v in kv.req_blocks.items() for b in v) == sorted(loaded_into)
+    conn.next = FinishedTransfers(ended={"a"})
+    step(sched, kv, conn)
+    assert not kv.req_blocks and kv.num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_request_finished_while_loading_keeps_its_blocks_until_the_overdue_load_ends():
+    sched, kv, conn = make()
+    sched.add_request(remote("a", 4 * 2 + 1))
+    sched.add_request(remote("b", 1 + 4))
+    step(sched, kv, conn)
+    assert set(sched.transfers.loading) == {"a", "b"}
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert "a" in sched.transfers.deferred_free  # a loader may still write them
+    conn.next = FinishedTransfers(overdue={"a": "read overdue"}, done_recving={"b"})
+    step(sched, kv, conn)
+    assert "a" in sched.transfers.deferred_free and "a" in kv.req_blocks  # still held under its own id
+    assert not any("#held-" in k for k in kv.req_blocks)  # no stand-in: the request is gone already
+    conn.next = FinishedTransfers(ended={"a"})
+    while sched.has_unfinished() or conn.next.ended:
+        step(sched, kv, conn)
+    assert not kv.req_blocks and not sched.transfers.deferred_free and kv.num_free_blocks() == NUM_BLOCKS - 1

@@ -26,7 +26,10 @@ demo: $(VENV)/.installed
 	$(PY) -m pdserve.cli make-model --arch qwen3 --size tiny --out $(DEMO_MODEL) --if-missing
 	$(PY) -m pdserve.cli bench pd --model $(DEMO_MODEL) $(DEMO_ARGS) --result-dir bench-results/demo
 
+# The layers contract (pyproject.toml) and the linter first: an upward import or a lint error fails the run.
 test: $(VENV)/.installed
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check pdserve tests benchmarks
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed

@@ -59,9 +59,9 @@ def run(model: Path, mode: str, batch: int, steps: int, device: str, backend: st
     kw = {"enforce_eager": True} if mode == "NONE" else {"cudagraph_mode": "PIECEWISE" if mode == "PIECEWISE"
                                                          else "FULL_AND_PIECEWISE"}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = EngineConfig.from_kwargs(str(model), device=device, dtype=str(dtype).removeprefix("torch."), max_model_len=1024,
-                                   max_num_seqs=64, num_gpu_blocks_override=64 * 64 + 1, attention_backend=backend,
-                                   **kw)
+    cfg = EngineConfig.from_kwargs(str(model), device=device, dtype=str(dtype).removeprefix("torch."),
+                                   max_model_len=1024, max_num_seqs=64, num_gpu_blocks_override=64 * 64 + 1,
+                                   attention_backend=backend, **kw)
     kv = KVCacheManager(cfg.cache.num_gpu_blocks_override, 16, True)
     sched = Scheduler(cfg.scheduler, kv, 1024)
     runner = ModelRunner(cfg, torch.device(device), dtype, 1024, cfg.cache.num_gpu_blocks_override)

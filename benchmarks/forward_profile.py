@@ -8,8 +8,8 @@ about 3), R requests with 128-token prompts are prefilled, then decode steps are
 every op's self time is put in a class: `gemm` (the linear layers and the LM head: oneDNN / MKL matmuls), `attention`
 (the K/V gather from the paged cache and the attention math), `norm_rope` (RMSNorm, rotary embedding), `other`
 (activation, residual adds, copies, indexing). The GEMMs' achieved GFLOP/s (2 x weights x rows per step) is set
-against the same machine's GEMM rate on the same shapes measured in this script (the model's own widest projection, the LM head, called alone at the
-same rows), so `gemm_share` x the step is the part
+against the same machine's GEMM rate on the same shapes measured in this script (the model's own widest projection, the
+LM head, called alone at the same rows), so `gemm_share` x the step is the part
 no engine change can remove: only less arithmetic (lower precision, fewer weights) or faster kernels can. Then a
 128-token prefill step, timed and profiled the same way (`profile_prefill`), each projection timed inside
 batch-1 decode steps and alone (`linears_in_step`), and the

@@ -242,7 +242,8 @@ class Bench:
         reads, xfer, post = (b - a for a, b in zip(tele0, self.conn.recv()))
         return {"blocks": n, "scattered": scattered, "bytes": nbytes,
                 "nixl_telemetry_xfer_ms_mean": xfer / reads * 1e3, "nixl_telemetry_post_ms_mean": post / reads * 1e3,
-                **{f"{k}_ms": v * 1e3 for k, v in med.items()}, **{f"{k}_gbps": nbytes / v / 1e9 for k, v in med.items()},
+                **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+                **{f"{k}_gbps": nbytes / v / 1e9 for k, v in med.items()},
                 "nixl_ratio_to_plain": med["plain"] / med["nixl"], "tcp_ratio_to_plain": med["plain"] / med["tcp"],
                 "nixl_ratio_to_tcp": med["tcp"] / med["nixl"]}
 

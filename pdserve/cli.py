@@ -10,9 +10,9 @@ from pathlib import Path
 def _make_model_parser(sub) -> None:
     from pdserve.model.make_model import ARCHS, SIZES
     p = sub.add_parser("make-model", help="Build a random-weight model with a locally trained tokenizer (HF layout).",
-                       description="Build a Qwen3- or Llama-shaped model with random weights (fixed seed) and a byte-level "
-                                   "BPE tokenizer trained on Python's standard library sources, in the Hugging Face layout. "
-                                   "Nothing is downloaded.")
+                       description="Build a Qwen3- or Llama-shaped model with random weights (fixed seed) and a "
+                                   "byte-level BPE tokenizer trained on Python's standard library sources, in the "
+                                   "Hugging Face layout. Nothing is downloaded.")
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="Architecture (default: qwen3).")
     p.add_argument("--size", choices=SIZES, default="tiny",
                    help="tiny: ~4.5M parameters, for tests; small: ~116M, for benchmarks (default: tiny).")

@@ -26,7 +26,8 @@ def _f(default, help: str, **kw):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _f("", "Path to a local Hugging Face model directory (Qwen3ForCausalLM or LlamaForCausalLM).", cli=False)
+    model: str = _f("", "Path to a local Hugging Face model directory (Qwen3ForCausalLM or LlamaForCausalLM).",
+                    cli=False)
     dtype: DType = _f("auto", "Weight and activation dtype; 'auto' takes the checkpoint's (float32 on CPU for "
                                "half-precision checkpoints). float64 exists for exactness tests.")
     max_model_len: Optional[int] = _f(None, "Context length (prompt + output); default: the model's "

@@ -41,7 +41,8 @@ def test_greedy_matches_transformers(tiny_models, arch, dtype):
     ref = [hf_greedy(model_dir, getattr(torch, dtype), p, NEW_TOKENS) for p in prompts]
     configs = [
         dict(max_num_batched_tokens=64, block_size=16),  # chunked prefill splits every long prompt
-        dict(max_num_batched_tokens=512, block_size=16, num_gpu_blocks_override=40, max_num_seqs=8, max_model_len=512),  # preemption
+        dict(max_num_batched_tokens=512, block_size=16, num_gpu_blocks_override=40, max_num_seqs=8,
+             max_model_len=512),  # preemption
         dict(max_num_batched_tokens=512, block_size=16, long_prefill_token_threshold=7),  # 7-token chunks, mid-block
     ]
     divergences = 0

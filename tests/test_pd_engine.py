@@ -60,8 +60,8 @@ def params_for_peer(d, prompt, port) -> dict:
     from pdserve.transfer.channel.proof import prompt_hash
     ids = d.get_tokenizer()(prompt).input_ids
     return sign_params({"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "p",
-                        "remote_host": "127.0.0.1", "remote_port": port, "num_prompt_tokens": len(ids), "prompt_hash": prompt_hash(ids),
-                        "lease_seconds": 30.0}, "secret")
+                        "remote_host": "127.0.0.1", "remote_port": port, "num_prompt_tokens": len(ids),
+                        "prompt_hash": prompt_hash(ids), "lease_seconds": 30.0}, "secret")
 
 
 def expire_leases(p):

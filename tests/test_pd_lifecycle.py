@@ -1,7 +1,8 @@
 """P/D over HTTP with 2 P + 2 D behind two routers (round-robin, least-loaded): load spread, the router's TTFT split,
 a client abort mid-decode and while D waits for KV, D's full prefix hit, P draining open leases on SIGTERM, P
-restarted on the same address, and a drain that times out. One deployment for the module (float64, so greedy tokens do not depend on how requests were batched);
-the tests run in file order and the later ones stop and restart P2. Each ends with every pool whole."""
+restarted on the same address, and a drain that times out. One deployment for the module (float64, so greedy tokens do
+not depend on how requests were batched); the tests run in file order and the later ones stop and restart P2. Each
+ends with every pool whole."""
 from __future__ import annotations
 
 import itertools

@@ -44,7 +44,8 @@ def req(rid, prompt, max_tokens=4, **sp) -> Request:
 def check(sched: Scheduler, kv: KVCacheManager) -> None:
     kv.check_invariants()
     sched.check_invariants()
-    live = [r.request_id for q in (sched.running, sched.waiting, sched.transfers.ready) for r in q] + list(sched.transfers.loading)
+    live = ([r.request_id for q in (sched.running, sched.waiting, sched.transfers.ready) for r in q]
+            + list(sched.transfers.loading))
     assert len(live) == len(set(live)) and set(live) == set(sched.requests)
     assert all(sched.requests[rid].request_id == rid for rid in live)
     for r in sched.running:
@@ -54,7 +55,8 @@ def check(sched: Scheduler, kv: KVCacheManager) -> None:
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0 and r.request_id not in kv.req_blocks
-    for r in sched.transfers.ready:  # KV imported before admission (P/D consumer): blocks for its prompt, the replay's too
+    # KV imported before admission (P/D consumer): blocks for its prompt, the replay's too
+    for r in sched.transfers.ready:
         assert r.status == RequestStatus.WAITING
         assert len(kv.blocks_of(r.request_id)) >= cdiv(r.num_prompt_tokens, kv.block_size) > 0
 

@@ -184,7 +184,8 @@ def table_lm(seed):
     A placeholder in a history (positions past it are never read) is fed as any id."""
     table = torch.randn(16, 16, 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1.5
     table[:, 3, 0] += 6.0
-    lm = lambda hists: table[tuple(torch.tensor([[max(x, 0) for x in h[-2:]] for h in hists]).T)]
+    def lm(hists):
+        return table[tuple(torch.tensor([[max(x, 0) for x in h[-2:]] for h in hists]).T)]
     lm.next = table.argmax(-1).tolist()  # the greedy successor of each (a, b)
     return lm
 
@@ -242,7 +243,8 @@ def test_seeded_rows_equal_plain_sampling_and_ignore_the_batch():
     speculation, for any K and drafts, alone or among other rows."""
     lm, prompt, sp = table_lm(3), [2, 5, 2, 5, 2], dict(temperature=0.9, top_k=8)
     ref = plain_generate(lm, make(prompt, seed=1234, **sp), 30, Sampler(CPU, 0))[0]
-    oracle = lambda r: ref[r.num_output_tokens:][:3] if r.num_output_tokens % 3 else [4, 4]  # right, then wrong
+    def oracle(r):
+        return ref[r.num_output_tokens:][:3] if r.num_output_tokens % 3 else [4, 4]  # right, then wrong
     for k in (0, 1, 3):  # K = 0: one uniform per step, as the plain sampler
         g = torch.Generator().manual_seed(0)
         alone, acc = spec_generate(lm, make(prompt, seed=1234, **sp), 30, k, oracle, g)

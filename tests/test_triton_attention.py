@@ -12,7 +12,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 # the interpreter's numpy ops: 0-d conversions (numpy deprecation) and -inf - -inf in masked-off softmax lanes
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 from pdserve.attention.triton_decode import DecodeWorkspace, paged_decode  # noqa: E402
 from pdserve.attention.metadata import AttentionMetadata, AttnGroup  # noqa: E402

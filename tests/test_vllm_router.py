@@ -75,7 +75,8 @@ def dep(qwen3_tiny):
     try:
         for srv in s.values():
             srv.wait_healthy()
-        routers = {"vllm": VllmRouter(s["P"].url, s["D"].url), "mismatch": RouterProcess([s["P"].url], [s["D_other"].url])}
+        routers = {"vllm": VllmRouter(s["P"].url, s["D"].url),
+                   "mismatch": RouterProcess([s["P"].url], [s["D_other"].url])}
         routers["vllm"].wait_ready()
         routers["mismatch"].wait_healthy()
         yield {**s, **routers}

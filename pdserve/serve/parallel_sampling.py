@@ -122,7 +122,8 @@ async def _stream(gen, builders: list[ResponseBuilder]):
                 out = builders[i].chunks(recs)
                 if out:
                     yield out
-            logger.info("finished: %d choices, %d tokens (stream)", len(builders), sum(len(b.token_ids) for b in builders))
+            logger.info("finished: %d choices, %d tokens (stream)", len(builders),
+                        sum(len(b.token_ids) for b in builders))
         except Exception:  # after the headers went out: an error event, then the end
             logger.exception("stream failed")
             yield sse({"error": {"message": "internal server error (see the server log)",

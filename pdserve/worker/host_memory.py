@@ -5,8 +5,9 @@ for the gate/up projection). glibc serves blocks that size with fresh mmaps, or 
 the decode steps between two prefills, so each chunk's first touch of its intermediates page-faults and the kernel
 zeroes the pages (~11,000 faults per request): on this project's machine a 128-token prefill of the small model
 took 95.7 ms that way and 79.9 ms with freed memory kept (`benchmarks/host_memory.py`; vLLM's CPU guide has
-tcmalloc preloaded for the same reason). The trade: a process's resident memory stays at its peak of intermediates (bounded by the token budget),
-never returned to the system while it runs. Blocks above 32 MiB (the KV cache, weights) still get their own maps.
+tcmalloc preloaded for the same reason). The trade: a process's resident memory stays at its peak of intermediates
+(bounded by the token budget), never returned to the system while it runs. Blocks above 32 MiB (the KV cache,
+weights) still get their own maps.
 `PDSERVE_KEEP_HOST_MEMORY=0` turns it off; it does nothing outside glibc.
 """
 from __future__ import annotations

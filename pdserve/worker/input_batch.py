@@ -63,8 +63,8 @@ class InputBuffers:
                 layout_fn=None) -> PreparedBatch:
         """Fill the buffers for `rows` (ScheduledRow). Padded tokens and rows point at the null block, so they
         write and read only it. `layout_fn` (FULL steps) maps the rows' context widths, in layout order, to the
-        attention groups ((first row, end row, width), ...) over the padded rows; otherwise rows are grouped by query length and context width, and padded
-        tokens belong to no group."""
+        attention groups ((first row, end row, width), ...) over the padded rows; otherwise rows are grouped by query
+        length and context width, and padded tokens belong to no group."""
         bs = self.block_size
         if self.staging is not None:
             self.staging.wait()  # the last step's copies read these host arrays until they ran

@@ -266,10 +266,11 @@ def _check_end(engine, case, reqs, outs, finished, submitted, aborted, chars, fa
 
 def _check_whole(engine, conn, rids, fail) -> None:
     s, kv = engine.scheduler, engine.kv
-    if kv.num_free_blocks() != engine.num_blocks - 1 or kv.req_blocks or s.transfers.leased or s.transfers.deferred_free or s.requests:
+    if (kv.num_free_blocks() != engine.num_blocks - 1 or kv.req_blocks or s.transfers.leased
+            or s.transfers.deferred_free or s.requests):
         fail(Failure("leak", "NEW (D's blocks)", f"D: free {kv.num_free_blocks()}/{engine.num_blocks - 1}, holders "
-                     f"{list(kv.req_blocks)}, leased {list(s.transfers.leased)}, deferred {list(s.transfers.deferred_free)}, "
-                     f"requests {list(s.requests)}"))
+                     f"{list(kv.req_blocks)}, leased {list(s.transfers.leased)}, "
+                     f"deferred {list(s.transfers.deferred_free)}, requests {list(s.requests)}"))
     # Any dict of the engine's layers still keyed by a request id is state that outlived its request.
     left = {f"{type(o).__name__}.{n}": sorted(k for k in v if k in rids) for o in (engine, s, kv, engine.runner)
             for n, v in vars(o).items() if isinstance(v, dict) and any(k in rids for k in v)}

@@ -58,7 +58,8 @@ class FakeP:
         self.leases[tid] = Lease(list(prompt), lease_steps, self.now + lease_steps, outcome, latency)
         return sign_params({"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
                             "remote_engine_id": "fakeP", "remote_host": "127.0.0.1", "remote_port": 1,
-                            "num_prompt_tokens": len(prompt), "prompt_hash": prompt_hash(prompt), "lease_seconds": 30.0},
+                            "num_prompt_tokens": len(prompt), "prompt_hash": prompt_hash(prompt),
+                            "lease_seconds": 30.0},
                            TOKEN)
 
     def tick(self) -> None:

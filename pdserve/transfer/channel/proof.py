@@ -31,8 +31,9 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# The types D acts on the signed fields with (fields it only compares or passes on are left alone). P signs what it wrote, so a wrong type is a P of another version (or a
-# bug), or someone holding the KV token: refused at admission, before the scheduler or a KV thread reads a field.
+# The types D acts on the signed fields with (fields it only compares or passes on are left alone). P signs what it
+# wrote, so a wrong type is a P of another version (or a bug), or someone holding the KV token: refused at admission,
+# before the scheduler or a KV thread reads a field.
 _TYPED = {
     "transfer_id": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "remote_host": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),

@@ -8,12 +8,14 @@ import asyncio
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.serve.async_engine import AsyncEngine
+from pdserve.serve.engine_commands import AddRequest, GetKVInfo, GetStats, Query, Stop
 from pdserve.serve.engine_core import EngineCore, QueueInbox
 from pdserve.serve.engine_messages import EngineInfo, StepBatch
 from pdserve.serve.errors import APIError
@@ -67,21 +69,22 @@ class Loop:
         return [r for r in self.records[rid] if r.finished][-1]
 
     def add(self, rid: str, tokens, params=SP):
-        self.inbox.put(("add", rid, list(tokens), params, time.monotonic(), None, None))
+        self.inbox.put(AddRequest(rid, list(tokens), params, time.monotonic()))
 
-    def ask(self, op: str, arg, qid: int):
-        self.inbox.put((op, qid, arg))
+    def ask(self, query):
+        qid = query.query_id
+        self.inbox.put(query)
         self.until(lambda: qid in self.replies)
         return self.replies.pop(qid)
 
     def pool_whole(self):
         self.qid += 1
-        kv = self.ask("query", "kv", qid=self.qid)
+        kv = self.ask(GetKVInfo(self.qid))
         assert kv["invariants_ok"], kv
         assert kv["free_blocks"] == kv["total_blocks"], f"blocks leaked: {kv}"
 
     def stop(self):
-        self.inbox.put(("stop",))
+        self.inbox.put(Stop())
         self.thread.join(TIMEOUT)
         assert not self.thread.is_alive()
 
@@ -141,22 +144,35 @@ def test_an_add_that_fails_after_admission_leaves_nothing_behind(qwen3_tiny, mon
 
 
 def test_a_query_or_call_that_raises_answers_with_the_error(qwen3_tiny):
-    """A failing query, or a call of a name the engine does not offer, is answered with the exception (the asker's
-    future raises it); the loop goes on."""
+    """A failing query, or a query type the loop does not answer, is answered with the exception (the asker's
+    future raises it); the loop goes on. A call of a name the engine does not offer never leaves the server. A
+    command the loop does not know is no silent no-op: the loop dies naming it."""
+    with pytest.raises(ValueError, match="no engine call 'shutdown'"):  # an engine method, not one a router may call
+        asyncio.run(AsyncEngine(config(qwen3_tiny)).call("shutdown", None))
     loop = Loop(config(qwen3_tiny))
     try:
         def broken():
             raise RuntimeError("stats broke")
         loop.core._q_stats = broken
-        r = loop.ask("query", "stats", qid=1)
+        r = loop.ask(GetStats(1))
         assert isinstance(r, RuntimeError) and "stats broke" in str(r)
-        r = loop.ask("query", "no_such_query", qid=2)
-        assert isinstance(r, AttributeError)
-        r = loop.ask("call", ("shutdown", None), qid=3)  # an engine method, but not one a router may call
-        assert isinstance(r, ValueError) and "no engine call 'shutdown'" in str(r)
+
+        @dataclass(slots=True)
+        class NoSuchQuery(Query):
+            pass
+        r = loop.ask(NoSuchQuery(2))
+        assert isinstance(r, TypeError) and "unknown engine query NoSuchQuery" in str(r)
         loop.add("after", [5, 6, 7])
         assert loop.finished("after").finish_reason == "length"
         loop.pool_whole()
+
+        @dataclass(slots=True)
+        class NoSuchCommand:
+            request_id: str
+        loop.inbox.put(NoSuchCommand("x"))
+        died = loop.out.get(timeout=TIMEOUT)
+        assert isinstance(died, RuntimeError), died
+        assert "engine loop died: TypeError: unknown engine command NoSuchCommand" in str(died)
     finally:
         loop.stop()
 
@@ -168,7 +184,7 @@ def test_a_dying_engine_loop_fails_every_request_and_refuses_new_ones(qwen3_tiny
         ae = AsyncEngine(config(qwen3_tiny), backend="thread")
         ae.start()
         await asyncio.wait_for(ae.wait_started(), 60)
-        eng = ae._threads[0]._target.__self__.engine  # the EngineCore's engine
+        eng = ae._backend.core.engine  # the EngineCore's engine
         st = ae.submit("victim", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                        time.monotonic())
         recs = []
@@ -223,7 +239,7 @@ def test_a_stuck_engine_loop_is_seen_and_its_queries_time_out_as_503(qwen3_tiny)
         assert ae.stalled_for() == 0.0
         await asyncio.sleep(0.2)
         assert ae.stalled_for() == 0.0  # an idle loop answers at once
-        eng = ae._threads[0]._target.__self__.engine
+        eng = ae._backend.core.engine
         step, gate, entered = eng.step, threading.Event(), threading.Event()
 
         def stuck():

@@ -45,7 +45,7 @@ def served(model, kv: dict | None = None, **cfg):
 
 def engine_core(state):
     """The EngineCore behind a thread-backend server, once its lease checks exist."""
-    core = state.engine._threads[0]._target.__self__
+    core = state.engine._backend.core
     deadline = time.monotonic() + 5
     while core._checks is None:
         assert time.monotonic() < deadline

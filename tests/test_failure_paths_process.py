@@ -21,6 +21,7 @@ from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.serve import engine_core
 from pdserve.serve import request_context
+from pdserve.serve.engine_commands import AddRequest
 from pdserve.serve.engine_messages import EngineInfo, StepBatch
 from pdserve.serve.responses import ResponseBuilder
 from pdserve.worker.model_runner import ModelRunner
@@ -59,7 +60,7 @@ def test_the_engine_process_dying_fails_its_requests_and_refuses_new_ones(qwen3_
 
     def kill_on_first_token(self, recs):
         if not killed and any(r.new_token_ids for r in recs):
-            os.kill(state.engine._proc.pid, signal.SIGKILL)
+            os.kill(state.engine._backend.proc.pid, signal.SIGKILL)
             killed.append(time.monotonic())
         return real(self, recs)
     monkeypatch.setattr(ResponseBuilder, "chunks", kill_on_first_token)
@@ -74,7 +75,7 @@ def test_the_engine_process_dying_fails_its_requests_and_refuses_new_ones(qwen3_
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503 and "the engine is not running" in r.json()["error"]["message"]
         assert state.engine.num_in_flight == 0
-        proc = state.engine._proc
+        proc = state.engine._backend.proc
     assert not proc.is_alive() and proc.exitcode == -signal.SIGKILL
     assert not thread_deaths, thread_deaths
 
@@ -111,7 +112,7 @@ def test_the_engine_stops_cleanly_when_the_server_goes_away(qwen3_tiny, monkeypa
         assert isinstance(out_recv.recv(), EngineInfo)
         sp = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)
         for rid in ("a", "b"):
-            cmd_send.send(("add", rid, [5, 6, 7, 8], sp, time.monotonic(), None, None))
+            cmd_send.send(AddRequest(rid, [5, 6, 7, 8], sp, time.monotonic()))
         deadline = time.monotonic() + 20
         while True:  # until both generate
             assert out_recv.poll(max(deadline - time.monotonic(), 0.01)), "no tokens"
@@ -156,7 +157,7 @@ def test_an_engine_output_that_does_not_unpickle_ends_the_requests_and_the_engin
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503
         assert state.engine.num_in_flight == 0
-        proc = state.engine._proc
+        proc = state.engine._backend.proc
         proc.join(5)
         assert not proc.is_alive()
     assert not thread_deaths, thread_deaths

@@ -1,22 +1,26 @@
-"""AsyncEngine: the event loop's side of the engine loop (engine_core), run in a thread or a child process.
+"""AsyncEngine: the event loop's side of the engine loop (engine_core), run in a thread or a child process
+(engine_backend.py).
 
-Requests go to the engine loop through a thread-safe inbox; each step's records come back in one
-`loop.call_soon_threadsafe` call and are fanned out to per-request asyncio queues. A consumer that goes away
-(client disconnect, cancelled stream) sends an abort, which the engine loop applies at its next step boundary.
+Requests go to the engine loop as typed commands (engine_commands.py) through a thread-safe inbox; each step's
+records come back in one `loop.call_soon_threadsafe` call and are fanned out to per-request asyncio queues. A
+consumer that goes away (client disconnect, cancelled stream) sends an abort, which the engine loop applies at its
+next step boundary.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from collections import OrderedDict
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pdserve.serve.engine_core import EngineCore, QueueInbox, run_in_process
+from pdserve.serve.engine_backend import ProcessBackend, ThreadBackend
+from pdserve.serve.engine_commands import CALLS, QUERIES, AbortAll, AbortRequest, AddRequest, Ping, Query, \
+    ReleaseRemoteKV, Stop
+from pdserve.serve.engine_core import QueueInbox
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord
 from pdserve.serve.errors import APIError
 
@@ -56,8 +60,7 @@ class AsyncEngine:
         self._queries: dict[int, asyncio.Future] = {}
         self._qids = itertools.count()
         self._inbox = QueueInbox()
-        self._threads: list[threading.Thread] = []
-        self._proc = None
+        self._backend: Optional[ThreadBackend | ProcessBackend] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._started = asyncio.Event()
         self._died = asyncio.Event()  # the engine loop ended after start-up (it never ends on its own otherwise)
@@ -69,60 +72,16 @@ class AsyncEngine:
         """Start the engine loop (it builds the engine); `ready` turns true when start-up is done."""
         self._loop = asyncio.get_running_loop()
         if self.backend == "thread":
-            core = EngineCore(self.engine_config, self._inbox, self._from_engine)
-            self._spawn(core.run, "pdserve-engine")
-            return
-        import multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-        out_recv, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_in_process, name="pdserve-engine", daemon=True,
-                                 args=(self.engine_config, cmd_recv, out_send, self.log_level))
-        self._proc.start()
-        cmd_recv.close()
-        out_send.close()
-        self._spawn(lambda: self._pipe_reader(out_recv), "pdserve-engine-reader")
-        self._spawn(lambda: self._pipe_writer(cmd_send), "pdserve-engine-writer")
-
-    def _spawn(self, target, name: str) -> None:
-        t = threading.Thread(target=target, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _pipe_reader(self, conn) -> None:
-        while True:
-            try:
-                obj = conn.recv()
-            except (EOFError, OSError):
-                self._from_engine(RuntimeError("the engine process exited"))
-                return
-            except Exception as e:  # a message that does not unpickle: its outputs are lost, so every request's
-                # state is in doubt; end them all and the engine with them rather than let them wait forever
-                logger.exception("an engine output could not be read")
-                self._from_engine(RuntimeError(f"an engine output could not be read ({type(e).__name__})"))
-                if self._proc is not None:
-                    self._proc.kill()
-                return
-            self._from_engine(obj)
-
-    def _pipe_writer(self, conn) -> None:
-        while True:
-            for cmd in self._inbox.get(block=True):
-                try:
-                    conn.send(cmd)
-                except (BrokenPipeError, OSError):
-                    return
-                if cmd[0] == "stop":
-                    return
+            self._backend = ThreadBackend(self.engine_config, self._inbox, self._from_engine)
+        else:
+            self._backend = ProcessBackend(self.engine_config, self._inbox, self._from_engine, self.log_level)
 
     @property
     def ready(self) -> bool:
         return self.info is not None and self.error is None and self.alive()
 
     def alive(self) -> bool:
-        if self._proc is not None and not self._proc.is_alive():
-            return False
-        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+        return self._backend is not None and self._backend.alive()
 
     async def wait_died(self) -> None:
         """Returns if the engine loop ends after start-up: it died (an exception, its process killed), or was
@@ -142,7 +101,7 @@ class AsyncEngine:
             self._queries[qid] = fut
             fut.add_done_callback(self._pinged)
             self._ping_sent = now
-            self._inbox.put(("query", qid, "ping"))
+            self._inbox.put(Ping(qid))
         return 0.0
 
     def _pinged(self, fut: asyncio.Future) -> None:
@@ -157,15 +116,9 @@ class AsyncEngine:
             raise self.error
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        self._inbox.put(("stop",))
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            await asyncio.to_thread(t.join, max(deadline - time.monotonic(), 0.1))
-        if self._proc is not None:
-            await asyncio.to_thread(self._proc.join, max(deadline - time.monotonic(), 0.1))
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
+        self._inbox.put(Stop())
+        if self._backend is not None:
+            await asyncio.to_thread(self._backend.join, timeout)
         self._fail_all("the server is shutting down")
 
     async def drain(self, timeout: float) -> None:
@@ -180,7 +133,7 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         if self._reqs:
             logger.warning("shutdown timeout: aborting %d in-flight request(s)", len(self._reqs))
-            self._inbox.put(("abort_all",))
+            self._inbox.put(AbortAll())
             end = time.monotonic() + 5.0
             while self._reqs and time.monotonic() < end:
                 await asyncio.sleep(0.05)
@@ -297,13 +250,13 @@ class AsyncEngine:
                            max_tokens=self.info.max_model_len - len(token_ids) if cap is None else cap)
         self._reqs[request_id] = st
         self._num_queued += 1
-        self._inbox.put(("add", request_id, token_ids, params, arrival, kv_transfer_params, cache_salt))
+        self._inbox.put(AddRequest(request_id, token_ids, params, arrival, kv_transfer_params, cache_salt))
         return st
 
     def abort(self, st: _RequestState) -> None:
         """Abort a submitted request nobody streams (its end still comes back as a record)."""
         if not st.finished:
-            self._inbox.put(("abort", st.request_id))
+            self._inbox.put(AbortRequest(st.request_id))
 
     async def stream(self, st: _RequestState) -> AsyncIterator[list[TokenRecord]]:
         """Yield the request's records (in lists of those that arrived together) until the finished one.
@@ -319,7 +272,7 @@ class AsyncEngine:
         finally:
             if not st.finished:
                 logger.info("client went away: aborting the request")
-                self._inbox.put(("abort", st.request_id))
+                self._inbox.put(AbortRequest(st.request_id))
 
     async def collect(self, request_id: str, token_ids: list[int], params, arrival: float,
                       kv_transfer_params: Optional[dict] = None) -> list[TokenRecord]:
@@ -328,29 +281,33 @@ class AsyncEngine:
             return [rec async for recs in gen for rec in recs]
 
     async def query(self, name: str, timeout: float = 30.0) -> Any:
-        """Run a named read-only query (`stats`, `kv`) in the engine loop, between steps."""
-        return await self._ask("query", name, timeout=timeout)
+        """Run a named read-only query (`stats`, `kv`: engine_commands.QUERIES) in the engine loop, between steps."""
+        if name not in QUERIES:
+            raise ValueError(f"no engine query {name!r}")
+        return await self._ask(QUERIES[name], timeout=timeout)
 
     async def call(self, name: str, arg: Any, timeout: float = 10.0) -> Any:
         """Run the engine's P/D call `name` (release_lease, check_kv_probe: see LLMEngine) on `arg`, in
         the engine loop between steps."""
-        return await self._ask("call", (name, arg), timeout=timeout)
+        if name not in CALLS:
+            raise ValueError(f"no engine call {name!r}")
+        return await self._ask(CALLS[name], arg, timeout=timeout)
 
     def release_remote_kv(self, request_id: str, params) -> None:
         """D: a P/D request refused before it reached the engine (a 400 on its fields, a 503): the engine loop tells
         P to end its lease now, if the params' proof holds. Without a running engine nothing is sent (the
         router releases the lease on P for any answer but 200)."""
         if isinstance(params, dict) and params.get("do_remote_prefill") and self.ready:
-            self._inbox.put(("release_remote", request_id, params))
+            self._inbox.put(ReleaseRemoteKV(request_id, params))
 
-    async def _ask(self, op: str, arg: Any, timeout: float) -> Any:
+    async def _ask(self, query: type[Query], *args: Any, timeout: float) -> Any:
         if not self.ready:  # still starting (no info, no error yet) is not dead: say which, as /health does
             starting = self.info is None and self.error is None
             raise APIError(503, "the engine is still starting up" if starting else "the engine is not running")
         qid = next(self._qids)
         fut = self._loop.create_future()
         self._queries[qid] = fut
-        self._inbox.put((op, qid, arg))
+        self._inbox.put(query(qid, *args))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:  # busy in a long step, or stuck: the server's side is fine, so not a 500

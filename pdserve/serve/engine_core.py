@@ -1,7 +1,7 @@
 """The engine loop that runs apart from the HTTP event loop: in a background thread or in a child process.
 
 It owns the `LLMEngine` (built here, so start-up never blocks the server), takes commands from an inbox between
-steps (add, abort, abort_all, query, release_remote, call, stop) and hands each step's outputs to a sink
+steps (typed messages, engine_commands.py, dispatched by their type) and hands each step's outputs to a sink
 as one `StepBatch` of plain, picklable records. Only this loop ever touches the engine, so no lock is needed: an
 abort reaches the scheduler at the next step boundary and frees the request's blocks there. A P/D request on D is
 added once P has said its KV is still there (`lease_check.py`).
@@ -14,6 +14,8 @@ import queue
 import time
 from typing import Any, Callable, Optional
 
+from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
+    GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, record
 from pdserve.serve.lease_check import LeaseChecks
 
@@ -21,8 +23,8 @@ logger = logging.getLogger("pdserve.serve.engine")
 
 
 class EngineCore:
-    """`inbox.get(block)` returns a list of commands (maybe empty); `sink(obj)` delivers an EngineInfo, a StepBatch
-    or an Exception (start-up failed)."""
+    """`inbox.get(block)` returns a list of commands (engine_commands.py; maybe empty); `sink(obj)` delivers an
+    EngineInfo, a StepBatch or an Exception (start-up failed)."""
 
     def __init__(self, engine_config, inbox, sink: Callable[[Any], None]):
         self.engine_config = engine_config
@@ -60,8 +62,8 @@ class EngineCore:
                     self._handle(cmd, batch)
                 # idle but for lease checks: wait a little for their answers, and look at the inbox again soon
                 wait = 0.002 if self._checks.pending and not (busy or cmds) else 0.0
-                for cmd, left, wanted in self._checks.answers(wait):
-                    self._checked(cmd, left, wanted, batch)
+                for msg, left, wanted in self._checks.answers(wait):
+                    self._checked(msg, left, wanted, batch)
                 if eng.has_unfinished_requests() and not self._stop:
                     batch.records.extend(record(o) for o in eng.step())
                 if batch.records or batch.replies:
@@ -80,59 +82,62 @@ class EngineCore:
         if hasattr(eng, "shutdown"):
             eng.shutdown()  # the KV connector's server and threads, if any
 
-    def _handle(self, cmd: tuple, batch: StepBatch) -> None:
-        eng, op = self.engine, cmd[0]
-        if op == "add":
-            self._add(cmd, batch)
-        elif op == "abort":
-            if self._checks.cancel(cmd[1]):  # never in the scheduler; its lease is released when P's answer comes
-                logger.info("aborted while its prefill node was asked about the KV", extra={"request_id": cmd[1]})
-                batch.records.append(TokenRecord(cmd[1], [], "", True, "abort"))
-                return
-            req = eng.scheduler.requests.get(cmd[1])
-            generated = req.num_output_tokens if req is not None else 0
-            out = eng.abort_request(cmd[1])
-            if out is not None:
-                logger.info("aborted (%d tokens generated)", generated, extra={"request_id": cmd[1]})
-                batch.records.append(record(out))
-        elif op == "abort_all":
-            for rid in list(eng.scheduler.requests):
-                batch.records.append(record(eng.abort_request(rid)))
-            for rid in self._checks.cancel_all():
-                batch.records.append(TokenRecord(rid, [], "", True, "abort"))
-            if batch.records:
-                logger.info("aborted %d request(s)", len(batch.records))
-        elif op == "query":
-            _, qid, name = cmd
-            try:
-                result = getattr(self, f"_q_{name}")()
-            except Exception as e:
-                result = e
-            batch.replies.append((qid, result))
-        elif op == "release_remote":  # D: a P/D request the server refused before the engine saw it
-            self._release_remote(cmd[1], cmd[2])
-        elif op == "call":  # a router's P/D call with an argument (LLMEngine.release_lease, check_kv_probe)
-            _, qid, (name, arg) = cmd
-            try:
-                if name not in ("release_lease", "check_kv_probe"):
-                    raise ValueError(f"no engine call {name!r}")
-                result = getattr(self.engine.gateway, name)(arg)
-            except Exception as e:
-                result = e
-            batch.replies.append((qid, result))
-        elif op == "stop":
-            self._stop = True
+    def _handle(self, msg, batch: StepBatch) -> None:
+        command = _COMMANDS.get(type(msg))
+        if command is not None:
+            command(self, msg, batch)
+            return
+        if not isinstance(msg, Query):  # a command the loop cannot apply (an add, an abort) would leave a request
+            # nobody ever answers: fail loudly, as a loop death every request and /health report, not a hang
+            raise TypeError(f"unknown engine command {type(msg).__name__}")
+        try:
+            answer = _ANSWERS.get(type(msg))
+            if answer is None:
+                raise TypeError(f"unknown engine query {type(msg).__name__}")
+            result = answer(self, msg)
+        except Exception as e:  # the asker's future raises it; the loop goes on
+            result = e
+        batch.replies.append((msg.query_id, result))
 
-    def _add(self, cmd: tuple, batch: StepBatch, req=None) -> None:
-        """`req`: the request made (and checked) when `cmd` came in, after P answered the lease check."""
+    def _abort(self, msg: AbortRequest, batch: StepBatch) -> None:
+        eng, rid = self.engine, msg.request_id
+        if self._checks.cancel(rid):  # never in the scheduler; its lease is released when P's answer comes
+            logger.info("aborted while its prefill node was asked about the KV", extra={"request_id": rid})
+            batch.records.append(TokenRecord(rid, [], "", True, "abort"))
+            return
+        req = eng.scheduler.requests.get(rid)
+        generated = req.num_output_tokens if req is not None else 0
+        out = eng.abort_request(rid)
+        if out is not None:
+            logger.info("aborted (%d tokens generated)", generated, extra={"request_id": rid})
+            batch.records.append(record(out))
+
+    def _abort_all(self, msg: AbortAll, batch: StepBatch) -> None:
         eng = self.engine
-        _, rid, token_ids, params, arrival, kv_params, salt = cmd  # salt: vLLM's cache_salt
+        for rid in list(eng.scheduler.requests):
+            batch.records.append(record(eng.abort_request(rid)))
+        for rid in self._checks.cancel_all():
+            batch.records.append(TokenRecord(rid, [], "", True, "abort"))
+        if batch.records:
+            logger.info("aborted %d request(s)", len(batch.records))
+
+    def _on_release_remote(self, msg: ReleaseRemoteKV, batch: StepBatch) -> None:
+        self._release_remote(msg.request_id, msg.kv_transfer_params)
+
+    def _on_stop(self, msg: Stop, batch: StepBatch) -> None:
+        self._stop = True
+
+    def _add(self, msg: AddRequest, batch: StepBatch, req=None) -> None:
+        """`req`: the request made (and checked) when `msg` came in, after P answered the lease check."""
+        eng = self.engine
+        rid, token_ids, params, arrival = msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time
+        kv_params, salt = msg.kv_transfer_params, msg.cache_salt
         try:
             if req is None:
                 req = eng.make_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params,
                                        cache_salt=salt)
                 if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
-                    self._checks.submit(rid, req.kv_transfer_params, (cmd, req))  # checked once, here
+                    self._checks.submit(rid, req.kv_transfer_params, (msg, req))  # checked once, here
                     return
             eng.add(req)
             if kv_params is None:
@@ -151,16 +156,16 @@ class EngineCore:
         batch.records.append(TokenRecord(rid, [], "", True, "error", error=why, rejected=True))
         self._release_remote(rid, kv_params)
 
-    def _checked(self, cmd_req: tuple, left: Optional[float], wanted: bool, batch: StepBatch) -> None:
-        cmd, req = cmd_req
-        rid, kv_params = cmd[1], cmd[5]
+    def _checked(self, msg_req: tuple, left: Optional[float], wanted: bool, batch: StepBatch) -> None:
+        msg, req = msg_req
+        rid, kv_params = msg.request_id, msg.kv_transfer_params
         if not wanted:  # aborted while P was asked
             self._release_remote(rid, kv_params)
         elif left is not None and left <= 0:
             self._refuse(rid, kv_params, "kv_transfer_params expired: the prefill node no longer holds this KV (its "
                          "lease ended, was released, or was used already); prefill the prompt again", batch)
         else:
-            self._add(cmd, batch, req)
+            self._add(msg, batch, req)
 
     def _release_remote(self, rid: str, kv_params) -> None:
         """D: P's lease for a refused request ends now, not at its expiry (KVGateway.release_remote_kv checks the
@@ -178,22 +183,13 @@ class EngineCore:
         s = eng.scheduler
         transfer = eng.gateway.transfer_stats()
         return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
-                "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting, "kv_usage": eng.kv.pool.usage(),
+                "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting,
+                "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,
                 "external_prefix_cache": (s.external_prefix_cache_queries, s.external_prefix_cache_hits)
                 if s.connector is not None else None,
                 "spec": eng.spec_decode_stats() if hasattr(eng, "spec_decode_stats") else None}
-
-    def _q_ping(self) -> bool:
-        return True
-
-    def _q_kv_probe(self) -> Optional[dict]:
-        return self.engine.gateway.kv_probe()
-
-    def _q_leases(self) -> int:
-        """P/D producer: finished prefills whose KV a decode node may still read."""
-        return len(self.engine.scheduler.transfers.leased)
 
     def _q_kv(self) -> dict:
         eng = self.engine
@@ -212,14 +208,30 @@ class EngineCore:
         return out
 
 
+# How the loop applies each command and answers each query, by the message's exact type. The queries look the
+# engine core's methods up when they run, so a test may patch one on an instance (`_q_stats`).
+_COMMANDS: dict[type, Callable[[EngineCore, Any, StepBatch], None]] = {
+    AddRequest: EngineCore._add, AbortRequest: EngineCore._abort, AbortAll: EngineCore._abort_all,
+    ReleaseRemoteKV: EngineCore._on_release_remote, Stop: EngineCore._on_stop}
+_ANSWERS: dict[type, Callable[[EngineCore, Any], Any]] = {
+    GetStats: lambda core, q: core._q_stats(),
+    Ping: lambda core, q: True,
+    GetKVProbe: lambda core, q: core.engine.gateway.kv_probe(),
+    GetLeases: lambda core, q: len(core.engine.scheduler.transfers.leased),  # P/D producer: prefills a D may still read
+    GetKVInfo: lambda core, q: core._q_kv(),
+    ReleaseLease: lambda core, q: core.engine.gateway.release_lease(q.params),  # a router's P/D calls (KVGateway)
+    CheckKVProbe: lambda core, q: core.engine.gateway.check_kv_probe(q.probe),
+}
+
+
 class QueueInbox:
     """Thread transport: a queue.Queue of commands."""
 
     def __init__(self):
         self.q: queue.Queue = queue.Queue()
 
-    def put(self, cmd: tuple) -> None:
-        self.q.put(cmd)
+    def put(self, msg) -> None:
+        self.q.put(msg)
 
     def get(self, block: bool) -> list:
         cmds = []
@@ -247,7 +259,7 @@ class PipeInbox:
             while self.conn.poll():
                 cmds.append(self.conn.recv())
         except (EOFError, OSError):  # the server went away
-            cmds.append(("stop",))
+            cmds.append(Stop())
         return cmds
 
 

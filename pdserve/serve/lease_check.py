@@ -37,7 +37,7 @@ class LeaseChecks:
         """Requests still wanted whose P has not answered: waiting, though not in the scheduler yet."""
         return sum(self._open.values())
 
-    def submit(self, rid: str, params: dict, cmd: tuple) -> None:
+    def submit(self, rid: str, params: dict, cmd) -> None:
         self._pool.submit(peer_of(params), self._run, rid, params, cmd)  # raises: nothing left open for it
         self._open[rid] = True
 

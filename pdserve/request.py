@@ -1,4 +1,9 @@
-"""A request's lifetime state, shared by the scheduler, the model runner and the engine."""
+"""A request's record: what the scheduler needs of it (ids, tokens, status, progress, limits, block hashes) and its
+P/D fields. The state other parts keep per request is their own, each with its owner (as nano-vllm's Sequence):
+the sampler's seeded generator, penalty counts and allowed ids (`model/sampler.py`, SamplerState), the n-gram
+proposer's token mirror (`spec_decode/ngram_proposer.py`), the runner's prompt-logprobs progress
+(`worker/prompt_logprobs.py`), and the output side's detokenizer, metrics, prompt text and logprob entries
+(`core/output_processor.py`, OutputState)."""
 from __future__ import annotations
 
 import enum
@@ -54,17 +59,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: Optional[str] = None
-        self.generator = None  # torch.Generator for seeded sampling, made by the sampler on first use
-        self.token_counts = None  # the sampler's per-request counts for penalties, made on first use
-        self.draft_buffer = None  # the n-gram proposer's mirror of all_token_ids, made on first use
         self.num_new_tokens = 0  # tokens the last step appended (a drafting row may append several)
-        self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
-        # with sampling_params.prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
-        # {id: Logprob} as the prefill computes them (the model runner appends; a recompute skips what is here)
-        self.prompt_logprobs: Optional[list] = None if sampling_params.prompt_logprobs is None else [None]
-        self.prompt_logprobs_todo = self.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
-        self.bad_words_token_ids: Optional[list[list[int]]] = None  # set by the engine (it has the tokenizer)
-        self.allowed_idx = None  # the sampler's tensor of sampling_params.allowed_token_ids, made on first use
+        # sampling_params.bad_words tokenized, set by the engine (it has the tokenizer), read by the sampler: an
+        # input of the request like its params, not state the sampler makes, so it stays here
+        self.bad_words_token_ids: Optional[list[list[int]]] = None
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         # vLLM's cache_salt: the first block's hash starts from it, so only requests with the same salt share blocks
         self.hash_seed: Optional[bytes] = None if cache_salt is None else b"salt:" + cache_salt.encode()
@@ -73,10 +71,6 @@ class Request:
         self.kv_load_tried = False  # D: the load was started or given up; a failed load recomputes locally
         self.kv_load_error: Optional[str] = None
         self.kv_lease_end: Optional[float] = None  # D: until when (this host's clock) P holds the KV to load
-        # The engine's per-request state, set by LLMEngine.add_request: it lives and dies with the request.
-        self.detok = None  # IncrementalDetokenizer
-        self.metrics = None  # RequestMetrics
-        self.prompt_text: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:

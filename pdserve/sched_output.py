@@ -21,7 +21,7 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class ScheduledRow:
-    request: Request  # the runner reads its tokens, prefill_len, sampling params and per-request sampler state
+    request: Request  # the runner reads its tokens, prefill_len and sampling params (and keys its own state by it)
     num_computed_tokens: int  # tokens whose KV is in the request's blocks when the step starts
     num_scheduled_tokens: int  # query length of the row this step (drafts included)
     # Speculative decoding: the K scheduled tokens after the last known one (PLACEHOLDER_TOKEN_ID where the
@@ -51,3 +51,5 @@ class ModelRunnerOutput:
     # tokens (a list); logprobs likewise (a list of entries for a drafting row)
     sampled: list
     logprobs: list
+    # request id -> the prompt-logprob entries this step made (worker/prompt_logprobs.py), for the output processor
+    prompt_logprobs: dict = field(default_factory=dict)

@@ -120,10 +120,10 @@ def test_an_add_that_fails_unexpectedly_fails_that_request_only(qwen3_tiny):
 def test_an_add_that_fails_after_admission_leaves_nothing_behind(qwen3_tiny, monkeypatch):
     """A request whose set-up fails (here its detokenizer) never reaches the scheduler half-built: the next step
     would trip over it and take the engine loop down."""
-    import pdserve.core.engine as engine_mod
+    import pdserve.core.output_processor as op_mod  # the output processor makes a request's detokenizer
     loop = Loop(config(qwen3_tiny))
     try:
-        real = engine_mod.IncrementalDetokenizer
+        real = op_mod.IncrementalDetokenizer
         calls = [0]
 
         def flaky(*a, **kw):
@@ -131,7 +131,7 @@ def test_an_add_that_fails_after_admission_leaves_nothing_behind(qwen3_tiny, mon
             if calls[0] == 1:
                 raise RuntimeError("detokenizer failed")
             return real(*a, **kw)
-        monkeypatch.setattr(engine_mod, "IncrementalDetokenizer", flaky)
+        monkeypatch.setattr(op_mod, "IncrementalDetokenizer", flaky)
         loop.add("bad", [5, 6, 7])
         rec = loop.finished("bad")
         assert rec.finish_reason == "error" and "detokenizer failed" in rec.error

@@ -58,7 +58,7 @@ def test_prompt_logprobs_equal_transformers(setup, cfg):
 
     def counting(rows):  # steps whose prompt-logprob rows ride a FULL graph
         mode, *rest = choose(rows)
-        on_full[0] += mode.name == "FULL" and any(r.request.prompt_logprobs_todo for r in rows)
+        on_full[0] += mode.name == "FULL" and any(runner.prompt_logprobs.todo(r.request) for r in rows)
         return (mode, *rest)
     runner.choose_graph = counting
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)

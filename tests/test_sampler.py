@@ -253,3 +253,19 @@ def test_a_huge_temperature_keeps_the_min_tokens_ban(device_path, dtype):
     assert not e.isnan().any() and (e[:, [3, 7]] == 0).all() and (e[:, :3] > 0).all()
     tokens, _ = Sampler(torch.device("cpu"), 0)(logits, reqs)
     assert not {3, 7} & set(tokens) and len(set(tokens)) > V // 2
+
+
+def test_sampler_state_lives_and_dies_with_its_request():
+    """The sampler keeps a request's seeded stream across steps (a preempted request resumes it: the same object),
+    drops it with the request, and never hands it to a later request that reuses the id."""
+    import gc
+    sampler, sp = Sampler(torch.device("cpu"), 0), SamplingParams(temperature=1.0, seed=7, max_tokens=9)
+    logits = torch.zeros(1, V)
+    r = Request("r", [1], sp)
+    first = [sampler(logits, [r])[0][0] for _ in range(6)]
+    assert len(sampler._states) == 1
+    del r
+    gc.collect()
+    assert len(sampler._states) == 0
+    again = Request("r", [1], sp)  # the same id: a fresh stream, the same tokens as the first request's
+    assert [sampler(logits, [again])[0][0] for _ in range(6)] == first

@@ -190,7 +190,7 @@ def table_lm(seed):
     return lm
 
 
-def spec_generate(lm, reqs, n, k, draft_fn, generator, sample=rejection_sample):
+def spec_generate(lm, reqs, n, k, draft_fn, sampler, sample=rejection_sample):
     """Decode n tokens per request with K drafts a step. Position j of a row is scored on the tokens so far plus
     drafts 0..j-1 (as the engine must build it); greedy rows keep their logits (only their argmax is read)."""
     accepted = []
@@ -203,7 +203,7 @@ def spec_generate(lm, reqs, n, k, draft_fn, generator, sample=rejection_sample):
             logits[rand] = filtered_probs(logits[rand], [rep[i] for i in rand])
         greedy = torch.tensor([r.sampling_params.temperature < GREEDY_EPS for r in active])
         out, na = sample(logits.view(len(active), k + 1, -1), torch.from_numpy(drafts), greedy,
-                         RowDraws(active, k, generator, CPU))
+                         RowDraws(active, k, sampler, CPU))
         accepted += na
         for r, toks in zip(active, out):
             assert min(toks) >= 0  # a placeholder is never emitted
@@ -246,7 +246,7 @@ def test_seeded_rows_equal_plain_sampling_and_ignore_the_batch():
     def oracle(r):
         return ref[r.num_output_tokens:][:3] if r.num_output_tokens % 3 else [4, 4]  # right, then wrong
     for k in (0, 1, 3):  # K = 0: one uniform per step, as the plain sampler
-        g = torch.Generator().manual_seed(0)
+        g = Sampler(CPU, 0)  # the engine's generator seeded 0, and the seeded rows' own generators
         alone, acc = spec_generate(lm, make(prompt, seed=1234, **sp), 30, k, oracle, g)
         mixed = make(prompt, 2, **sp) + make(prompt, seed=1234, **sp) + make(prompt, temperature=0.0) + make(
             [1, 2], seed=99, **sp)
@@ -292,7 +292,7 @@ def first_two(sample, n=20000, k=2):
         return [g, rng.integers(0, 16, k), g[:1], [PH, g[1]], [0] + g[:1]][rng.integers(5)]
     reqs = [Request(f"r{i}", prompt, sp) for i in range(n)]
     out = (plain_generate(lm, reqs, 2, Sampler(CPU, 1)) if sample is None else
-           spec_generate(lm, reqs, 2, k, drafts, torch.Generator().manual_seed(4), sample)[0])
+           spec_generate(lm, reqs, 2, k, drafts, Sampler(CPU, 4), sample)[0])
     p0 = filtered_probs(lm([prompt]), reqs[:1])[0]
     p1 = filtered_probs(lm([prompt + [t] for t in range(16)]), reqs[:16])
     p0, p1 = p0 / p0.sum(), p1 / p1.sum(-1, keepdim=True)  # each row comes up to its own factor

@@ -19,9 +19,8 @@ from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
-from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.model.loader import check_model_dir, model_dims, read_json_file, resolve_dtype
-from pdserve.outputs import RequestMetrics, RequestOutput
+from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched_output import cdiv
@@ -139,7 +138,8 @@ class LLMEngine:
                     arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None,
                     cache_salt: Optional[str] = None) -> Request:
         """`cache_salt` (vLLM's): prefix-cache blocks are shared only among requests with the same salt."""
-        return self.add(self.make_request(prompt, params, request_id, arrival_time, kv_transfer_params, cache_salt))
+        req = self.make_request(prompt, params, request_id, arrival_time, kv_transfer_params, cache_salt)
+        return self.add(req, prompt if isinstance(prompt, str) else None)
 
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                      arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None,
@@ -165,20 +165,20 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
         req.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)  # tokenized by validate_prompt
-        req.detok = IncrementalDetokenizer(
-            self.tokenizer, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens, prompt_token_ids=token_ids, min_tokens=params.min_tokens)
-        req.metrics = RequestMetrics(req.arrival_time,
-                                     kv_remote=bool((kv_transfer_params or {}).get("do_remote_prefill")))
-        req.prompt_text = prompt if isinstance(prompt, str) else None
         return req
 
-    def add(self, req: Request) -> Request:
-        """Add a request `make_request` built (and checked)."""
+    def add(self, req: Request, prompt_text: Optional[str] = None) -> Request:
+        """Add a request `make_request` built (and checked); `prompt_text`: the prompt as the client wrote it."""
         if self._id_in_use(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is still in use (running, or its KV still leased to a "
                              "decode node or being released)")
-        self.scheduler.add_request(req)  # last: a request the scheduler holds is whole
+        self.output_processor.add_request(req, prompt_text)
+        try:
+            self.scheduler.add_request(req)  # last: a request the scheduler holds is whole
+        except BaseException:
+            if self.scheduler.requests.get(req.request_id) is not req:  # not taken: it will make no output
+                self.output_processor.drop(req.request_id)
+            raise
         return req
 
     def _id_in_use(self, request_id: str) -> bool:
@@ -265,9 +265,9 @@ class LLMEngine:
         fin = self.connector.get_finished()
         now = time.monotonic()
         for rid in fin.done_recving | set(fin.failed) | set(fin.overdue):
-            if (req := self.scheduler.requests.get(rid)) is not None:
-                req.metrics.kv_load_end_time = now
-                req.metrics.kv_loaded = rid in fin.done_recving
+            if (st := self.output_processor.states.get(rid)) is not None:
+                st.metrics.kv_load_end_time = now
+                st.metrics.kv_loaded = rid in fin.done_recving
         failed = self.scheduler.process_transfers(fin)
         return [self.output_processor.make_output(r, []) for r in failed if r is not None]
 
@@ -283,27 +283,32 @@ class LLMEngine:
             now = time.monotonic()
             for job in meta.loads:
                 if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
-                    self.scheduler.requests[job.request_id].metrics.kv_load_start_time = now
+                    self.output_processor.states[job.request_id].metrics.kv_load_start_time = now
             self.connector.start_load_kv(meta)
         if not out.rows:
             if self.has_unfinished_requests() and not transfer_outputs:
                 time.sleep(0.001)  # only transfers in flight: poll, do not spin
             return transfer_outputs
         now = time.monotonic()
+        states = self.output_processor.states
         for row in out.rows:
-            m = row.request.metrics
+            m = states[row.request.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
         try:
             result = self.runner.execute(out.rows, self.kv.block_table)
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("model step failed")
             return transfer_outputs + [self._fail(r.request.request_id, f"model step failed: {e}") for r in out.rows]
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         updated = self.scheduler.update_from_output(out, result.sampled)
         lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
         return transfer_outputs + self.output_processor.process(updated, lp_by_req)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        # every request that left the scheduler made its final output, which dropped its output state
+        leaked = set(self.output_processor.states) - set(self.scheduler.requests)
+        assert not leaked, f"output state kept for requests no longer scheduled: {sorted(leaked)[:5]}"
 
 
 _NO_IMPORTED_PROMPT_LOGPROBS = ("prompt_logprobs: not with imported KV (a P/D decode node's or the arrival driver's): "

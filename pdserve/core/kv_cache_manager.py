@@ -52,7 +52,7 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return [], 0
         self._update_hashes(req)
-        if req.prompt_logprobs is not None:
+        if req.sampling_params.prompt_logprobs is not None:
             return [], 0
         hits = []
         for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:

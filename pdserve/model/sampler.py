@@ -6,9 +6,13 @@ then temperature, top-k, top-p and min-p, and sample by the inverse CDF (both in
 row: for unseeded rows drawn together from the engine's generator, for a seeded request from its own generator, so
 its tokens do not depend on what else is in the batch. Logprobs are of the raw model distribution, for all the
 rows that ask in one pass.
+
+What the sampler keeps of a request between steps (its seeded generator, its penalty counts, its allowed ids on the
+device) is its own `SamplerState`, not the request's: the `Request` is the scheduler's record.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,10 +100,38 @@ class TokenCounts:
         return seen, out_ids, counts
 
 
+@dataclass(eq=False)
+class SamplerState:
+    """The sampler's per-request state, each part made on first use and kept for the request's life."""
+    generator: Optional[torch.Generator] = None  # a seeded request's own stream (`Sampler.generator_for`)
+    token_counts: Optional[TokenCounts] = None  # its tokens for the penalties
+    allowed_idx: Optional[torch.Tensor] = None  # sampling_params.allowed_token_ids on the logits' device
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = device
-        self.generator = torch.Generator(device).manual_seed(seed)
+        self.generator = torch.Generator(device).manual_seed(seed)  # the unseeded rows' stream
+        # Keyed weakly by the Request object, so a request's state dies with it and nothing has to free it: the
+        # sampler never learns when a request finishes (a stop, an abort, a failed step or load end it in the
+        # scheduler and the engine), and a dict by request id would keep what no call dropped and could hand it to
+        # a later request reusing the id (or to one named like the start-up profile's). A preempted request is the
+        # same object when it resumes, so its seeded stream goes on where it was.
+        self._states: weakref.WeakKeyDictionary[Request, SamplerState] = weakref.WeakKeyDictionary()
+
+    def state(self, req: Request) -> SamplerState:
+        st = self._states.get(req)
+        if st is None:
+            st = self._states[req] = SamplerState()
+        return st
+
+    def generator_for(self, req: Request) -> torch.Generator:
+        """A seeded request's own generator (from sampling_params.seed, on the sampler's device): the plain sampler
+        and the speculative verifier draw from it alike, so the two share one stream per request."""
+        st = self.state(req)
+        if st.generator is None:
+            st.generator = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
+        return st.generator
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], row_of: Optional[list[int]] = None
                  ) -> tuple[list[int], list[Optional[dict]]]:
@@ -153,7 +185,7 @@ class Sampler:
             sp = r.sampling_params
             extra = extras[j] if extras is not None else []
             if sp.allowed_token_ids is not None:  # before the bans and the bias below, which all rows get at once
-                _keep_only(logits, i, r)
+                self._keep_only(logits, i, r)
             if r.num_output_tokens + len(extra) < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 ban_rows += [i] * len(banned)
@@ -165,10 +197,11 @@ class Sampler:
             if sp.logit_bias is not None:
                 biased.append((i, sp.logit_bias))
             if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
-                if r.token_counts is None:
-                    r.token_counts = TokenCounts(r)
-                r.token_counts.update(r)
-                counted.append(r)
+                st = self.state(r)
+                if st.token_counts is None:
+                    st.token_counts = TokenCounts(r)
+                st.token_counts.update(r)
+                counted.append((st.token_counts, sp))
                 counted_pos.append(i)
                 counted_extra.append(extra)
         if ban_rows:
@@ -176,13 +209,24 @@ class Sampler:
         if biased:
             self._add_bias(logits, biased)
         if counted:
-            views = [r.token_counts.with_extra(e) for r, e in zip(counted, counted_extra)]
-            sps = [r.sampling_params for r in counted]
+            views = [c.with_extra(e) for (c, _), e in zip(counted, counted_extra)]
+            sps = [sp for _, sp in counted]
             self._penalise(logits, counted_pos, [v[0] for v in views], None,
                            [sp.repetition_penalty for sp in sps], None)
             self._penalise(logits, counted_pos, [v[1] for v in views], [v[2] for v in views],
                            [sp.frequency_penalty for sp in sps], [sp.presence_penalty for sp in sps])
         return logits
+
+    def _keep_only(self, logits: torch.Tensor, row: int, req: Request) -> None:
+        """Every logit of `row` but those of the request's allowed ids set to -inf (one vocabulary-wide write); the
+        ids' tensor is made once per request (a copy to the device per step and position otherwise)."""
+        st = self.state(req)
+        idx = st.allowed_idx
+        if idx is None or idx.device != logits.device:
+            idx = st.allowed_idx = torch.tensor(req.sampling_params.allowed_token_ids, device=logits.device)
+        keep = logits[row, idx]
+        logits[row] = float("-inf")
+        logits[row, idx] = keep
 
     @staticmethod
     def _add_bias(logits, biased: list[tuple[int, dict]]) -> None:
@@ -244,9 +288,7 @@ class Sampler:
                 u[i] = x
         for i, r in enumerate(reqs):
             if r.sampling_params.seed is not None:
-                if r.generator is None:
-                    r.generator = torch.Generator(self.device).manual_seed(r.sampling_params.seed)
-                u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64, device=self.device).item()
+                u[i] = torch.rand(1, generator=self.generator_for(r), dtype=torch.float64, device=self.device).item()
         return inverse_cdf(probs, torch.tensor(u, dtype=torch.float64))
 
 
@@ -278,17 +320,6 @@ def _bad_word_ends(words: list[list[int]], output: list[int], extra: list[int]) 
         if k == 0 or tail == w[:-1]:
             out.append(w[-1])
     return out
-
-
-def _keep_only(logits: torch.Tensor, row: int, req: Request) -> None:
-    """Every logit of `row` but those of the request's allowed ids set to -inf (one vocabulary-wide write); the ids'
-    tensor is made once per request (a copy to the device per step and position otherwise)."""
-    idx = req.allowed_idx
-    if idx is None or idx.device != logits.device:
-        idx = req.allowed_idx = torch.tensor(req.sampling_params.allowed_token_ids, device=logits.device)
-    keep = logits[row, idx]
-    logits[row] = float("-inf")
-    logits[row, idx] = keep
 
 
 def logprobs_of(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:

@@ -14,6 +14,7 @@ Python loop over tokens; O(context) plus O(candidates x n_max).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -69,6 +70,11 @@ class NgramProposer:
     def __init__(self, cfg: SpeculativeConfig, max_model_len: Optional[int] = None):
         self.k, self.n_min, self.n_max = cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max
         self.max_model_len = max_model_len
+        # Each request's tokens mirrored as int64 ([array, entries filled]), keyed weakly by the Request object: the
+        # mirror dies with its request, with no call on finish (the proposer, the scheduler's, is never told of one),
+        # and a later request reusing an id never reads an old mirror. A preempted request keeps its tokens, so its
+        # mirror stays valid.
+        self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _k(self, n: int, k: Optional[int]) -> int:
         k = self.k if k is None else min(k, self.k)
@@ -88,14 +94,14 @@ class NgramProposer:
         """`k` drafts for a request's next step from its prompt and output so far, placeholders after the real
         ones. The request's tokens are mirrored in an int64 array that only grows by what was appended since the
         last call: converting the whole Python list every step would cost O(context) per row."""
-        buf = req.draft_buffer
+        buf = self._buffers.get(req)
         n = req.num_tokens
         if buf is None or len(buf[0]) < n:
             arr = np.empty(max(64, 2 * n), np.int64)
             filled = 0 if buf is None else buf[1]
             if filled:
                 arr[:filled] = buf[0][:filled]
-            buf = req.draft_buffer = [arr, filled]
+            buf = self._buffers[req] = [arr, filled]
         arr, filled = buf
         if filled < n:
             arr[filled:n] = req.all_token_ids[filled:n]

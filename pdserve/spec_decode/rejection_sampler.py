@@ -17,7 +17,7 @@ the argmax of, and ties break as in plain greedy decoding).
 Randomness contract. One float64 uniform per scored position, used by `inverse_cdf` exactly as the plain sampler
 uses its one per step: greedy rows draw none. Unseeded rows draw K + 1 each, together in row order, from the
 engine's generator, every step whatever is accepted. A seeded row draws its K + 1 one at a time from its own
-`req.generator` (made lazily from `sampling_params.seed` on the engine's device, as the sampler does), and
+generator (the sampler's, `Sampler.generator_for`: the very stream the plain sampler draws from), and
 `RowDraws.commit` then rewinds that generator to just after the draws of the tokens actually emitted. Its stream is
 therefore consumed one uniform per emitted token, and the token at output index i always comes from the i-th
 uniform of its stream on its own distribution: a seeded request emits the same tokens with or without speculative
@@ -33,35 +33,30 @@ from typing import Optional, Sequence, Union
 import torch
 
 from pdserve.model.probs import inverse_cdf
-from pdserve.model.sampler import GREEDY_EPS
+from pdserve.model.sampler import GREEDY_EPS, Sampler
 from pdserve.request import Request
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's name: a scheduled draft slot with no real draft (never a token id)
 
 
-def _generator(req: Request, device: torch.device) -> torch.Generator:
-    # Made exactly as the plain sampler makes it, so the two paths share one stream per request.
-    if req.generator is None:
-        req.generator = torch.Generator(device).manual_seed(req.sampling_params.seed)
-    return req.generator
-
-
 class RowDraws:
     """The uniforms of one verify step: `u` [rows, 1 + K] float64 (greedy rows' entries unused), and for each
-    seeded row the states of its generator after each of its draws, for `commit`."""
+    seeded row the states of its generator after each of its draws, for `commit`. `sampler` owns the generators:
+    the engine's for unseeded rows, each seeded request's own (None will do for greedy rows only)."""
 
-    def __init__(self, reqs: Sequence[Request], k: int, generator: torch.Generator, device: torch.device):
+    def __init__(self, reqs: Sequence[Request], k: int, sampler: Optional[Sampler], device: torch.device):
         n = k + 1
         self.u = torch.zeros(len(reqs), n, dtype=torch.float64, device=device)
         sps = [r.sampling_params for r in reqs]
         free = [i for i, sp in enumerate(sps) if sp.temperature >= GREEDY_EPS and sp.seed is None]
         if free:
+            generator = sampler.generator
             self.u[free] = torch.rand(len(free), n, generator=generator, dtype=torch.float64,
                                       device=generator.device).to(device)
         self._states: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}
         for i, sp in enumerate(sps):
             if sp.temperature >= GREEDY_EPS and sp.seed is not None:
-                g = _generator(reqs[i], device)
+                g = sampler.generator_for(reqs[i])
                 # One call per position, each the plain sampler's call, so this row's j-th uniform is the one
                 # the plain sampler would take for the j-th token from here.
                 draws, states = [], []

@@ -61,7 +61,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list, drafts: list[list
     rand = [i for i in range(n * q) if not greedy[i // q]]
     if rand:
         work[rand] = filtered_probs(work[rand], [pos_reqs[i] for i in rand]).to(work.dtype)
-    draws = RowDraws(reqs, q - 1, sampler.generator, logits.device) if rand else None
+    draws = RowDraws(reqs, q - 1, sampler, logits.device) if rand else None
     dev = logits.device
     emitted, num_accepted = rejection_sample(work.view(n, q, -1), torch.tensor(drafts, device=dev),
                                              torch.tensor(greedy, device=dev), draws)

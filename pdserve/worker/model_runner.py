@@ -18,7 +18,7 @@ from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher
 from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
 from pdserve.worker.piecewise import PiecewiseRunner
-from pdserve.worker.prompt_logprobs import add_prompt_logprobs, wants_prompt_logprobs
+from pdserve.worker.prompt_logprobs import PromptLogprobs
 
 
 _SCHEDULED = operator.attrgetter("num_scheduled_tokens")
@@ -71,6 +71,7 @@ class ModelRunner:
         # the most positions one step scores (each row's 1 + K): the start-up profile's sampler pass, and so the
         # most a prompt-logprobs LM-head pass may take at once
         self.max_scored = sched.max_num_seqs * self.uniform_query_len
+        self.prompt_logprobs = PromptLogprobs()
         self.spec_stats = SpecDecodeStats()
         self.logits_hook = None  # tests: called as hook(requests, logits) for every sampling step
         self.full_graphs = FullGraphRunner(self.model, self.buffers, d.hidden_size, dtype, device)
@@ -202,10 +203,12 @@ class ModelRunner:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens if mode == CUDAGraphMode.PIECEWISE else None)
             hidden_all = self.forward_all(batch)
         hidden = hidden_all[batch.logits_indices]
-        if any(map(wants_prompt_logprobs, rows)):
-            add_prompt_logprobs(self.model, hidden_all, rows, batch.starts, batch.order, self.max_scored)
+        prompt_lps = self.prompt_logprobs.add(self.model, hidden_all, rows, batch.starts, batch.order,
+                                              self.max_scored) if self.prompt_logprobs.wanted(rows) else {}
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
-        return self.sample(rows, batch, hidden)
+        out = self.sample(rows, batch, hidden)
+        out.prompt_logprobs = prompt_lps
+        return out
 
     def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         sampled: list = [None] * len(rows)

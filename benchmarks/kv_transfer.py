@@ -195,7 +195,7 @@ class Bench:
         self.child.start()
         assert self.conn.recv() == "ready"
         sys.path.insert(0, str(REPO))
-        from tests.test_pd_engine import self_signed
+        from tests.transfer.test_pd_engine import self_signed
         cert, key = self_signed(Path(tempfile.mkdtemp(prefix="kv-bench-tls-")), "p")
         self.tls = TcpConnector(KVTransferConfig.from_dict({**KV, "kv_role": "kv_producer", "kv_port": 0,
                                                             "kv_tls_cert": cert, "kv_tls_key": key}), self.p.engine)

@@ -55,7 +55,6 @@ class Request:
         # Tokens a row computes as its prefill: the prompt; after a preemption every token it had then
         self.prefill_len = len(self.prompt_token_ids)
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
-        self.num_external_tokens = 0  # prompt tokens whose KV was imported (P/D consumer, arrival driver)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: Optional[str] = None
@@ -66,11 +65,11 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         # vLLM's cache_salt: the first block's hash starts from it, so only requests with the same salt share blocks
         self.hash_seed: Optional[bytes] = None if cache_salt is None else b"salt:" + cache_salt.encode()
-        self.kv_transfer_params = kv_transfer_params  # P/D: what the router sent (do_remote_decode / _prefill)
-        self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV
+        # ---- P/D, all together: the scheduler's P/D half (core/kv_transfers.py) writes them, connectors read them
+        self.kv_transfer_params = kv_transfer_params  # what the router sent, as checked (do_remote_decode / _prefill)
+        self.kv_transfer_params_out: Optional[dict] = None  # P: where D can read this request's KV (signed)
         self.kv_load_tried = False  # D: the load was started or given up; a failed load recomputes locally
-        self.kv_load_error: Optional[str] = None
-        self.kv_lease_end: Optional[float] = None  # D: until when (this host's clock) P holds the KV to load
+        self.num_external_tokens = 0  # prompt tokens whose KV was imported (P/D consumer, arrival driver)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -47,7 +47,7 @@ def test_device_script_smoke_on_cpu(tmp_path):
 
 
 def test_cuda_tests_engine_flow_needs_no_server_package(qwen3_tiny):
-    """tests/test_cuda_graphs.py's engine (the arrival driver's DecodeBenchConnector), on the CPU."""
+    """tests/worker/test_cuda_graphs.py's engine (the arrival driver's DecodeBenchConnector), on the CPU."""
     p = run_without_server_packages(f"""
 from pdserve import LLM, SamplingParams
 llm = LLM({qwen3_tiny!r}, max_model_len=96, max_num_seqs=4, kv_cache_memory_gb=0.05,

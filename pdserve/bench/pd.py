@@ -142,7 +142,7 @@ def run_bench_pd(args) -> int:
     old = signal.signal(signal.SIGTERM, on_term)
     # Ours for SIGINT too: with Python's default handler in place, asyncio.run installs its own, which only
     # cancels the client's main task, and a bench whose client rides that out kept sending (or, when the task had
-    # just ended, died by SIGINT later): 1 run in ~20 of tests/test_bench_pd.py timed out or exited -2.
+    # just ended, died by SIGINT later): 1 run in ~20 of tests/bench/test_bench_pd.py timed out or exited -2.
     signal.signal(signal.SIGINT, on_term)
     try:
         for arm in arms:

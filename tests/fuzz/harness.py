@@ -18,8 +18,9 @@ from tests.fuzz.fake_model import fake_load_model, make_model_dir
 from tests.fuzz.shrink import shrink
 from tests.fuzz.workload import gen_case
 
-RERUN = "PDSERVE_FUZZ_SEED={seed} PDSERVE_FUZZ_COUNT=1 .venv/bin/python -m pytest -q tests/test_randomized.py -k fake"
-REPLAY = "PDSERVE_FUZZ_CASE={path} .venv/bin/python -m pytest -q tests/test_randomized.py -k fake"
+RERUN = ("PDSERVE_FUZZ_SEED={seed} PDSERVE_FUZZ_COUNT=1 .venv/bin/python -m pytest -q tests/core/test_randomized.py "
+         "-k fake")
+REPLAY = "PDSERVE_FUZZ_CASE={path} .venv/bin/python -m pytest -q tests/core/test_randomized.py -k fake"
 
 
 @contextlib.contextmanager

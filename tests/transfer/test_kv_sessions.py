@@ -19,7 +19,7 @@ from pdserve.transfer.channel.protocol import GROUP, TAIL, ProtocolError, Sessio
 from pdserve.transfer.base import ConnectorContext
 from pdserve.transfer.tcp.connector import TcpConnector
 from tests.server_harness import free_port
-from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, consumer, drain, prefill_on, producer
+from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, consumer, drain, prefill_on, producer
 
 SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 from pdserve.config import EngineConfig
 from pdserve.serve.api_server import ServerState, build_app
 from pdserve.serve.server_config import ServerConfig
-from tests.test_failure_paths_serving import server
+from tests.serve.test_failure_paths_serving import server
 
 KEY = "sk-tokenize-test"
 BOS = "<|endoftext|>"

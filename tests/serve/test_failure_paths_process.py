@@ -25,8 +25,8 @@ from pdserve.serve.engine_commands import AddRequest
 from pdserve.serve.engine_messages import EngineInfo, StepBatch
 from pdserve.serve.responses import ResponseBuilder
 from pdserve.worker.model_runner import ModelRunner
-from tests.test_failure_paths_pd import served
-from tests.test_failure_paths_serving import BODY, events
+from tests.transfer.test_failure_paths_pd import served
+from tests.serve.test_failure_paths_serving import BODY, events
 
 
 @pytest.fixture

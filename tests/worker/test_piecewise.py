@@ -8,7 +8,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 
-from tests.test_graphs import finish_all, greedy, prompt
+from tests.worker.test_graphs import finish_all, greedy, prompt
 
 SMALL = dict(max_model_len=211, kv_cache_memory_gb=0.05, max_num_seqs=24)
 

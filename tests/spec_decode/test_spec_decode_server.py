@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from tests.server_harness import REPO, ServerProcess, healthy, metric, metrics
-from tests.test_spec_decode import spec
+from tests.spec_decode.test_spec_decode import spec
 
 PROMPT = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny ="
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

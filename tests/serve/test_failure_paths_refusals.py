@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_failure_paths_serving import BODY, pool_whole, server
+from tests.serve.test_failure_paths_serving import BODY, pool_whole, server
 
 CASES = [
     ("completions", {"prompt": [5, "x"]}, "token ids must be integers"),

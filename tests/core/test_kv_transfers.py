@@ -11,7 +11,7 @@ from pdserve.core.scheduler import Scheduler
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import ConnectorContext, ConnectorMeta, FinishedTransfers, KVConnector
-from tests.test_scheduler import check
+from tests.core.test_scheduler import check
 
 BLOCK = 4
 NUM_BLOCKS = 32

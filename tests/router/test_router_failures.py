@@ -229,7 +229,7 @@ def test_with_every_p_held_they_are_still_asked():
 def test_a_client_gone_before_its_body_is_in_is_a_499_and_reaches_no_node():
     """The connection closes mid-body: a 499 (was: the catch-all 500 and a ClientDisconnect traceback), and
     neither P nor D is asked anything."""
-    from tests.test_failure_paths_pd import asgi
+    from tests.transfer.test_failure_paths_pd import asgi
     nodes = Nodes({P1: ok_p}, ok_d)
     c = routed(nodes, [P1])
     part = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()[:-3]

@@ -19,7 +19,7 @@ from pdserve.transfer.channel import pool as tcp_pool
 from pdserve.transfer.nixl.agent import Transfer
 from pdserve.transfer.channel.proof import sign_params
 from tests.server_harness import free_port
-from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, decode_on, drain, prefill_on
+from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, decode_on, drain, prefill_on
 
 needs_nixl = pytest.mark.skipif(not nixl_agent.available(), reason="nixl is not installed")
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

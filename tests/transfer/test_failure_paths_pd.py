@@ -21,7 +21,7 @@ from pdserve.serve.api_server import ServerState, build_app
 from pdserve.serve.server_config import ServerConfig
 from pdserve.transfer.channel.proof import prompt_hash, sign_params
 from tests.server_harness import free_port
-from tests.test_failure_paths_serving import BODY, events, pool_whole
+from tests.serve.test_failure_paths_serving import BODY, events, pool_whole
 
 TOKEN = "failure-paths-token"
 

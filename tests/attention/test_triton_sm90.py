@@ -13,8 +13,8 @@ import pytest
 
 from tests.server_harness import REPO
 
-# as tests/test_triton_attention.py: whichever module imports triton first decides for the whole session, and the
-# interpreter is what that file's CPU runs need (the compiles below run in a child without it)
+# as tests/attention/test_triton_attention.py: whichever module imports triton first decides for the whole session,
+# and the interpreter is what that file's CPU runs need (the compiles below run in a child without it)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 pytest.importorskip("pdserve.attention.triton_aot")

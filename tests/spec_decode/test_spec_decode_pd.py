@@ -8,8 +8,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from tests.server_harness import free_port
-from tests.test_pd_engine import ENGINE, PROMPTS, assert_whole, drain, prefill_on, producer
-from tests.test_spec_decode import spec
+from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, drain, prefill_on, producer
+from tests.spec_decode.test_spec_decode import spec
 
 
 def consumer(model, rule, k=3, **engine):

@@ -1,5 +1,5 @@
 """--gpu-memory-utilization: the KV cache gets the budget less what was measured; the errors name the flag. The
-measuring itself needs CUDA (tests/test_cuda_graphs.py); here the arithmetic and the CPU refusal."""
+measuring itself needs CUDA (tests/worker/test_cuda_graphs.py); here the arithmetic and the CPU refusal."""
 from __future__ import annotations
 
 import pytest

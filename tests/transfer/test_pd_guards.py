@@ -3,7 +3,7 @@ import pytest
 
 from pdserve import SamplingParams
 from tests.server_harness import free_port
-from tests.test_pd_engine import consumer, producer
+from tests.transfer.test_pd_engine import consumer, producer
 
 
 def test_reused_id_is_refused_while_its_kv_is_leased(qwen3_tiny):

@@ -24,8 +24,8 @@ from pdserve.serve.errors import APIError, install_error_handlers
 from pdserve.serve.responses import ResponseBuilder
 from pdserve.serve.server_config import ServerConfig
 from pdserve.worker.model_runner import ModelRunner
-from tests.test_failure_paths_pd import asgi, engine_core, served, wait_for
-from tests.test_failure_paths_serving import BODY, pool_whole
+from tests.transfer.test_failure_paths_pd import asgi, engine_core, served, wait_for
+from tests.serve.test_failure_paths_serving import BODY, pool_whole
 
 LIMIT = 1000  # --max-body-bytes of the module's server
 TOO_BIG = f"request body is larger than the server's limit of {LIMIT} bytes (--max-body-bytes)"

@@ -12,7 +12,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.spec_decode import verifier
 from tests.oracle import hf_greedy, make_prompts
-from tests.test_spec_decode_units import accept_always, chi2_p
+from tests.spec_decode.test_spec_decode_units import accept_always, chi2_p
 
 NEW_TOKENS = 24
 

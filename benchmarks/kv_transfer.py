@@ -310,7 +310,7 @@ class Bench:
             self.end_lease(stress)
         for rid in list(e.scheduler.requests):
             e.abort_request(rid)
-        while e.has_unfinished_requests() or e.gateway.num_leased_blocks():
+        while e.has_unfinished_requests() or e.scheduler.transfers.num_leased_blocks():
             e.step()
         assert None not in pull_s, "a pull failed"
         return {"step_ms": statistics.median(times) * 1e3, "serving_cpu_s": cpu, "wall_s": sum(times),

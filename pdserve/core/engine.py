@@ -76,13 +76,12 @@ class LLMEngine:
         if from_memory:
             memory.check_after_capture(config.cache.gpu_memory_utilization)
         self.tokenizer = load_tokenizer(mc.model)
-        self.connector = make_connector(config.kv_transfer, self._connector_context())
+        self.connector = make_connector(config.kv_transfer, self._connector_context)
         if self.connector is not None:
             self.connector.register_kv_caches(self.runner.kv_caches)
         policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
-        transfers = KVTransfers(self.kv, self.connector, policy)
-        self.gateway = KVGateway(config.kv_transfer, self.connector, transfers)
-        transfers.sign = self.gateway.sign
+        self.gateway = KVGateway(config.kv_transfer, self.connector)
+        transfers = KVTransfers(self.kv, self.connector, policy, sign=self.gateway.sign)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.speculative_config, transfers)
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")
         self.eos_token_ids = self._eos_ids()
@@ -113,10 +112,8 @@ class LLMEngine:
                              f"({self.max_model_len}) sequence; raise kv_cache_memory_gb or lower max_model_len")
         return n
 
-    def _connector_context(self) -> Optional[ConnectorContext]:
-        cfg = self.config.kv_transfer
-        if cfg is None or cfg.kv_connector == "DecodeBenchConnector":  # no connector: nothing to hash
-            return None
+    def _connector_context(self) -> ConnectorContext:
+        """What a connector may know of this node (the weights are hashed: made only when a connector is)."""
         bs = self.config.cache.block_size
         return ConnectorContext(bs, compat_fields(self.config.model.model, self.hf_config, self.max_model_len,
                                                   self.dtype, bs))

@@ -1,6 +1,6 @@
 """The engine's P/D face, an object of its own: checks and signs kv_transfer_params, answers lease and probe calls,
-and sums the connector's transfer counters. It holds the KV transfer config, the connector and the scheduler's P/D
-half (for the leased blocks it reports); nothing else of the engine.
+and reads the connector's transfer counters. It holds the KV transfer config and the connector; nothing else of the
+engine.
 
 Invariant: a client's params act on this node only after P's proof over them verifies with this node's KV token
 (`check`); nothing unverified reaches the connector, so a client can never make D dial a host of its choosing or end
@@ -12,7 +12,6 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
-from pdserve.core.kv_transfers import KVTransfers
 from pdserve.model.loader import model_dims
 from pdserve.transfer.channel.proof import NOT_VERIFIED, PROBE_LABEL, malformed, prompt_hash, sign_params, \
     verified_params
@@ -35,10 +34,9 @@ def compat_fields(model_dir: str, hf_config: dict, max_model_len: int, dtype, bl
 
 
 class KVGateway:
-    def __init__(self, kv_config, connector, transfers: KVTransfers):
+    def __init__(self, kv_config, connector):
         self.cfg = kv_config  # KVTransferConfig, or None without P/D
         self.connector = connector
-        self.transfers = transfers
 
     @property
     def role(self) -> Optional[str]:
@@ -136,10 +134,8 @@ class KVGateway:
         return None
 
     # ---- counters ---------------------------------------------------------------------------------------------
-    def num_leased_blocks(self) -> int:
-        return self.transfers.num_leased_blocks()
-
-    def transfer_stats(self) -> Optional[dict]:
-        """KV transfer counters for /metrics, summed over a MultiConnector's children (None without a connector)."""
+    def transfer_stats(self, leased_blocks: int) -> Optional[dict]:
+        """KV transfer counters for /metrics, summed over a MultiConnector's children, with the blocks this node
+        holds for readers (`KVTransfers.num_leased_blocks`); None without a connector."""
         stats = self.connector.transfer_stats() if self.connector is not None else None
-        return None if stats is None else {**stats, "leased_blocks": self.num_leased_blocks()}
+        return None if stats is None else {**stats, "leased_blocks": leased_blocks}

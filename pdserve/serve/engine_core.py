@@ -181,7 +181,7 @@ class EngineCore:
     def _q_stats(self) -> dict:
         eng = self.engine
         s = eng.scheduler
-        transfer = eng.gateway.transfer_stats()
+        transfer = eng.gateway.transfer_stats(s.transfers.num_leased_blocks())
         return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
                 "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting,
                 "kv_usage": eng.kv.pool.usage(),
@@ -204,7 +204,7 @@ class EngineCore:
                "invariants_ok": ok}
         if err:
             out["invariant_error"] = err
-        out["leased_blocks"] = eng.gateway.num_leased_blocks()  # P: blocks held for decode nodes to read
+        out["leased_blocks"] = eng.scheduler.transfers.num_leased_blocks()  # P: blocks held for decode nodes to read
         return out
 
 

@@ -4,7 +4,7 @@ nothing here imports a transport, so the registry is no import circle, and a nod
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import Callable, Optional
 
 from pdserve.transfer.base import ConnectorContext, KVConnector
 
@@ -24,11 +24,12 @@ def connector_class(name: str) -> type[KVConnector]:
     return getattr(importlib.import_module(module_path), class_name)
 
 
-def make_connector(config, ctx: ConnectorContext) -> Optional[KVConnector]:
+def make_connector(config, context: Callable[[], ConnectorContext]) -> Optional[KVConnector]:
+    """The connector `config` names, or None; `context` is called only when one is made."""
     # the arrival driver works through LLMEngine.add_prefilled_request: nothing to connect
     if config is None or config.kv_connector == "DecodeBenchConnector":
         return None
-    return connector_class(config.kv_connector)(config, ctx)
+    return connector_class(config.kv_connector)(config, context())
 
 
 register_connector("TcpConnector", "pdserve.transfer.tcp.connector", "TcpConnector")

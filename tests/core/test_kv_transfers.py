@@ -4,6 +4,8 @@ stay out of use until the load has ended; a request finished while loading keeps
 every step the pools are checked, and at the end they are whole."""
 from __future__ import annotations
 
+import pytest
+
 from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.kv_transfers import KVTransfers
@@ -48,11 +50,11 @@ class ScriptedConnector(KVConnector):
         return 30.0
 
 
-def make(policy="recompute"):
-    kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True)
+def make(policy="recompute", num_blocks=NUM_BLOCKS, max_model_len=256):
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True)
     conn = ScriptedConnector()
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
-    return Scheduler(cfg, kv, 256, transfers=KVTransfers(kv, conn, policy)), kv, conn
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_model_len)
+    return Scheduler(cfg, kv, max_model_len, transfers=KVTransfers(kv, conn, policy)), kv, conn
 
 
 def remote(rid, n):
@@ -123,3 +125,50 @@ def test_request_finished_while_loading_keeps_its_blocks_until_the_overdue_load_
     while sched.has_unfinished() or conn.next.ended:
         step(sched, kv, conn)
     assert not kv.req_blocks and not sched.transfers.deferred_free and kv.num_free_blocks() == NUM_BLOCKS - 1
+
+
+@pytest.mark.parametrize("n", [2, BLOCK, BLOCK + 1, 3 * BLOCK + 1, 34])  # max_model_len 37: 34 + 2 tokens fits
+def test_overdue_then_recompute_at_odd_sizes_leaves_the_pool_whole(n):
+    sched, kv, conn = make(num_blocks=13, max_model_len=37)
+    sched.add_request(remote("a", n))
+    step(sched, kv, conn)
+    assert "a" in sched.transfers.loading
+    conn.next = FinishedTransfers(overdue={"a": "read overdue"})
+    step(sched, kv, conn)
+    for _ in range(100):  # the read ends once the recompute is stuck for blocks or done, whichever comes first
+        if not sched.has_unfinished() and not sched.transfers.held:
+            break
+        out, _ = step(sched, kv, conn)
+        if not out.rows and sched.transfers.held:
+            conn.next = FinishedTransfers(ended={"a"})
+    assert not sched.has_unfinished() and not kv.req_blocks and kv.num_free_blocks() == 12
+
+
+def test_one_token_prompt_loads_nothing_and_prefills():
+    sched, kv, conn = make()
+    sched.add_request(remote("a", 1))
+    out, _ = step(sched, kv, conn)
+    assert not sched.transfers.loading and out.rows[0].num_scheduled_tokens == 1 and "a" not in conn.allocated
+    while sched.has_unfinished():
+        step(sched, kv, conn)
+    assert kv.num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_full_pool_recompute_waits_for_the_held_blocks():
+    """The pool holds one load (3 blocks: 2 of prompt, the replay's): after the read is overdue its blocks stay held,
+    so the recompute cannot be admitted until the read has ended."""
+    sched, kv, conn = make(num_blocks=4)
+    sched.add_request(remote("a", 2 * BLOCK + 1))
+    step(sched, kv, conn)
+    assert kv.num_free_blocks() == 0
+    conn.next = FinishedTransfers(overdue={"a": "read overdue"})
+    out, _ = step(sched, kv, conn)
+    assert not out.rows and list(sched.waiting) == [sched.requests["a"]]  # no block free: it waits, nothing leaks
+    out, _ = step(sched, kv, conn)
+    assert not out.rows
+    conn.next = FinishedTransfers(ended={"a"})
+    out, _ = step(sched, kv, conn)
+    assert out.rows and out.rows[0].num_computed_tokens == 0
+    while sched.has_unfinished():
+        step(sched, kv, conn)
+    assert not kv.req_blocks and kv.num_free_blocks() == 3

@@ -96,7 +96,8 @@ def test_nixl_equals_tcp_and_collocated(pd, qwen3_tiny, collocated):
     assert steps.get("prefill", 0) - steps0.get("prefill", 0) == 1  # only "x", prefilled on D
     drain(p)  # P frees each lease on its read's notification
     assert not pc.leases and pc.stats.bytes_sent - sent0 == dc.stats.bytes_received - got0
-    series = {m.name: m for m in EngineCollector("m")._transfer(d.engine.gateway.transfer_stats())}
+    stats = d.engine.gateway.transfer_stats(d.engine.scheduler.transfers.num_leased_blocks())
+    series = {m.name: m for m in EngineCollector("m")._transfer(stats)}
     reads = len(PROMPTS) - 1
     for name in ("xfer_time_seconds", "post_time_seconds", "bytes_transferred", "num_descriptors"):
         assert sum(s.value for s in series[f"vllm:nixl_{name}"].samples if s.name.endswith("_count")) >= reads
@@ -196,7 +197,8 @@ def test_claimed_lease_is_held_past_expiry_and_reader_blocks_until_read_ends(pd,
         for lease in pc.leases.values():
             lease.expiry = 0.0
         p.engine.step()
-        assert set(pc.leases) == set(tids) and p.engine.gateway.num_leased_blocks() > 0  # pinned: not freed at expiry
+        # pinned: not freed at expiry
+        assert set(pc.leases) == set(tids) and p.engine.scheduler.transfers.num_leased_blocks() > 0
         dc.agent.notify(stuck[0].peer, tids[0].encode())  # the read's notification: P frees that lease now
         end = time.monotonic() + 5
         while tids[0] in pc.leases and time.monotonic() < end:

@@ -95,7 +95,7 @@ def pd(qwen3_tiny):
 def test_pd_equals_collocated_and_rides_full(pd, collocated):
     p, d = pd
     params = prefill_on(p, PROMPTS)
-    assert p.engine.gateway.num_leased_blocks() > 0
+    assert p.engine.scheduler.transfers.num_leased_blocks() > 0
     assert params[4] is None  # "x": one token, nothing to hand over; D prefills it itself
     assert all(kp["do_remote_prefill"] and kp["remote_port"] == p.engine.connector.port
                for kp in params[:4] + params[5:])
@@ -487,7 +487,7 @@ def test_a_hung_producer_holds_up_only_its_own_loads(qwen3_tiny, collocated):
 def test_lease_expires_when_decode_never_comes(qwen3_tiny):
     p = producer(qwen3_tiny, free_port(), kv_lease_seconds=0.3)
     prefill_on(p, PROMPTS[:3])
-    assert p.engine.gateway.num_leased_blocks() > 0
+    assert p.engine.scheduler.transfers.num_leased_blocks() > 0
     t0 = time.monotonic()
     drain(p, deadline=5)
     assert time.monotonic() - t0 >= 0.2

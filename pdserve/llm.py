@@ -8,6 +8,7 @@ from pdserve.config import EngineConfig
 from pdserve.core.engine import LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.worker.cpu_threads import adaptive_threads
 
 PromptInput = Union[str, list[int], dict]
 
@@ -15,6 +16,8 @@ PromptInput = Union[str, list[int], dict]
 class LLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        # a CPU engine gives up its extra threads while other processes want the cores (worker/cpu_threads.py)
+        self.cpu_threads = adaptive_threads(self.engine.device.type)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -70,6 +73,8 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
+                if self.cpu_threads is not None:
+                    self.cpu_threads.poll()
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out

@@ -8,6 +8,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Thread counts stay as started: the CPU thread governor (worker/cpu_threads.py) would drop threads while the
+# tests' own servers are busy, and a GEMM's float32 rounding may change with its thread count, which tests that
+# compare two runs token for token must not see. tests/worker/test_cpu_threads.py covers the governor.
+os.environ.setdefault("PDSERVE_ADAPTIVE_THREADS", "0")
 
 
 def pytest_sessionstart(session):

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from pdserve.serve.engine_commands import Stop
 from pdserve.serve.engine_core import EngineCore, QueueInbox, run_in_process
+from pdserve.serve.engine_messages import Wire
 
 logger = logging.getLogger("pdserve.serve.engine")
 
@@ -37,8 +38,9 @@ class ThreadBackend:
 
 
 class ProcessBackend:
-    """The engine loop in a child process: a writer thread sends the inbox's commands down one pipe, a reader thread
-    hands on what comes back up the other."""
+    """The engine loop in a child process: a writer thread sends the inbox's commands down one pipe (pickled: one
+    message per request, small), a reader thread decodes what comes back up the other (one msgpack frame per step,
+    engine_messages.Wire) and hands it on."""
 
     def __init__(self, engine_config, inbox: QueueInbox, on_output: Callable[[Any], None], log_level: str):
         import multiprocessing as mp
@@ -69,13 +71,14 @@ class ProcessBackend:
             self.proc.join(5)
 
     def _read(self, conn) -> None:
+        wire = Wire()
         while True:
             try:
-                obj = conn.recv()
+                obj = wire.decode(conn.recv_bytes())
             except (EOFError, OSError):
                 self.on_output(RuntimeError("the engine process exited"))
                 return
-            except Exception as e:  # a message that does not unpickle: its outputs are lost, so every request's
+            except Exception as e:  # a frame that does not decode: its outputs are lost, so every request's
                 # state is in doubt; end them all and the engine with them rather than let them wait forever
                 logger.exception("an engine output could not be read")
                 self.on_output(RuntimeError(f"an engine output could not be read ({type(e).__name__})"))

@@ -9,6 +9,7 @@ added once P has said its KV is still there (`lease_check.py`).
 from __future__ import annotations
 
 import gc
+import os
 import logging
 import queue
 import time
@@ -16,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
     GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
-from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, record
+from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, Wire, record
 from pdserve.serve.lease_check import LeaseChecks
 
 logger = logging.getLogger("pdserve.serve.engine")
@@ -26,8 +27,9 @@ class EngineCore:
     """`inbox.get(block)` returns a list of commands (engine_commands.py; maybe empty); `sink(obj)` delivers an
     EngineInfo, a StepBatch or an Exception (start-up failed)."""
 
-    def __init__(self, engine_config, inbox, sink: Callable[[Any], None]):
+    def __init__(self, engine_config, inbox, sink: Callable[[Any], None], server_pid: Optional[int] = None):
         self.engine_config = engine_config
+        self.server_pid = server_pid  # the process backend's server: its CPU time is this engine's work too
         self.inbox = inbox
         self.sink = sink
         self.engine = None
@@ -49,12 +51,16 @@ class EngineCore:
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None))
         self._checks = LeaseChecks(eng.gateway.remote_lease_left)
+        from pdserve.worker.cpu_threads import adaptive_threads
+        self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
         try:
             while not self._stop:
                 if graphs is not None:
                     graphs.flush_if_due()  # the inbox wakes the loop at least once a second
+                if self.cpu_threads is not None:
+                    self.cpu_threads.poll()
                 busy = eng.has_unfinished_requests()
                 batch = StepBatch(0.0)
                 cmds = self.inbox.get(block=not busy and not self._checks.pending)
@@ -273,10 +279,12 @@ def run_in_process(engine_config, cmd_conn, out_conn, log_level: str) -> None:
     from pdserve.serve.request_context import configure_logging
     configure_logging(log_level)
 
+    wire = Wire()
+
     def sink(obj):
         try:
-            out_conn.send(obj)
+            out_conn.send_bytes(wire.encode(obj))
         except (BrokenPipeError, OSError):
             pass
 
-    EngineCore(engine_config, PipeInbox(cmd_conn), sink).run()
+    EngineCore(engine_config, PipeInbox(cmd_conn), sink, server_pid=os.getppid()).run()

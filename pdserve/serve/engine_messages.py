@@ -1,20 +1,28 @@
-"""What the engine loop (engine_core.py) sends the server: plain, picklable records, so the thread and the process
-backends carry the same objects. `record()` turns one engine RequestOutput into the request's TokenRecord."""
+"""What the engine loop (engine_core.py) sends the server: msgspec structs, so the thread backend hands them over as
+they are and the process backend writes each step's batch as one msgpack frame (`Wire`). `record()` turns one
+engine RequestOutput into the request's TokenRecord.
+
+The wire: a step's frame holds only what the step changed (one record per request that got tokens or ended, the
+answers to queries asked since the last step), arrays in place of field names, defaults left out. Decoding is typed,
+so a frame that does not match these structs is an error, not a surprise later. What msgspec cannot encode (an
+exception answering a query, an object in a stats dict) travels as a pickled msgpack extension, per object.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import pickle
+from typing import Any, Optional, Union
+
+import msgspec
 
 
-@dataclass
-class TokenRecord:
+class TokenRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's progress in one step (or its end)."""
     request_id: str
     new_token_ids: list[int]
     delta_text: str
     finished: bool
     finish_reason: Optional[str] = None
-    stop_reason: Any = None
+    stop_reason: Union[int, str, None] = None
     logprobs: Optional[list] = None  # per new token: [(token_id, logprob, rank, decoded), ...], sampled first
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit
@@ -29,21 +37,56 @@ class TokenRecord:
     prompt_logprobs: Optional[list] = None
 
 
-@dataclass
-class StepBatch:
+class StepBatch(msgspec.Struct, array_like=True, tag=True):
     time: float  # time.monotonic() when the step's outputs were ready (CLOCK_MONOTONIC: same clock across processes)
-    records: list[TokenRecord] = field(default_factory=list)
-    replies: list[tuple[int, Any]] = field(default_factory=list)  # (query id, result)
+    records: list[TokenRecord] = msgspec.field(default_factory=list)
+    replies: list[tuple[int, Any]] = msgspec.field(default_factory=list)  # (query id, result or exception)
 
 
-@dataclass
-class EngineInfo:
+class EngineInfo(msgspec.Struct, array_like=True, tag=True):
     """Sent once start-up is done."""
     max_model_len: int
     vocab_size: int
     num_blocks: int
     device: str
     has_kv_connector: bool
+
+
+class EngineFailed(msgspec.Struct, array_like=True, tag=True):
+    """The engine did not start or its loop died: the server fails every request and exits (process backend; the
+    thread backend hands the exception itself over)."""
+    message: str
+
+
+_PICKLED = 1  # msgpack extension code of an object msgspec cannot encode
+
+
+def _enc_hook(obj: Any) -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(_PICKLED, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _PICKLED:
+        raise ValueError(f"unknown msgpack extension {code}")
+    return pickle.loads(data)
+
+
+class Wire:
+    """The process backend's codec for engine -> server frames (one per step): `encode` in the engine process,
+    `decode` in the server's; an exception from the engine crosses as EngineFailed and comes out as RuntimeError."""
+
+    def __init__(self):
+        self._enc = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._dec = msgspec.msgpack.Decoder(Union[StepBatch, EngineInfo, EngineFailed], ext_hook=_ext_hook)
+
+    def encode(self, obj: Any) -> bytes:
+        if isinstance(obj, BaseException):
+            obj = EngineFailed(str(obj))
+        return self._enc.encode(obj)
+
+    def decode(self, frame: bytes) -> Any:
+        obj = self._dec.decode(frame)
+        return RuntimeError(obj.message) if isinstance(obj, EngineFailed) else obj
 
 
 def timing(m) -> Optional[dict]:

@@ -29,8 +29,10 @@ class ServerConfig:
                                            "unanswered this many seconds (it answers between steps, so only a stuck or "
                                            "stopped loop takes that long).")
     enable_debug_routes: bool = _f(False, "Serve /debug/kv (KV block counts and the engine's invariant check).")
-    engine_backend: EngineBackend = _f("thread", "Run the engine loop in a background thread of the server "
-                                                 "process, or in a separate process.")
+    engine_backend: EngineBackend = _f("process", "Where the engine loop runs: in its own process (its steps never "
+                                                  "wait for the HTTP side's Python, and each step's outputs cross as "
+                                                  "one msgpack frame), or on a background thread of the server "
+                                                  "process (one process: for tests and embedding).")
 
     def validate(self) -> None:
         if not self.host.strip():  # uvicorn would listen on every interface: an unset variable, not a wish

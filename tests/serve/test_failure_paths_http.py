@@ -226,7 +226,7 @@ def test_requests_while_the_engine_starts_get_503(qwen3_tiny, monkeypatch):
     monkeypatch.setattr(LLMEngine, "__init__", held_init)
     monkeypatch.setattr(ServerState, "on_engine_ready", held_ready)
     state = ServerState(EngineConfig.from_kwargs(qwen3_tiny, block_size=4, max_model_len=53),
-                        ServerConfig(enable_debug_routes=True))
+                        ServerConfig(enable_debug_routes=True, engine_backend="thread"))
 
     def starting(c):
         r = c.get("/health")

@@ -10,7 +10,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import pickle
+import msgspec
 import signal
 import threading
 import time
@@ -22,7 +22,7 @@ from pdserve.config import EngineConfig
 from pdserve.serve import engine_core
 from pdserve.serve import request_context
 from pdserve.serve.engine_commands import AddRequest
-from pdserve.serve.engine_messages import EngineInfo, StepBatch
+from pdserve.serve.engine_messages import EngineInfo, StepBatch, Wire
 from pdserve.serve.responses import ResponseBuilder
 from pdserve.worker.model_runner import ModelRunner
 from tests.transfer.test_failure_paths_pd import served
@@ -108,15 +108,16 @@ def test_the_engine_stops_cleanly_when_the_server_goes_away(qwen3_tiny, monkeypa
                          name="engine-child", daemon=True)
     t.start()
     try:
+        wire = Wire()
         assert out_recv.poll(60)
-        assert isinstance(out_recv.recv(), EngineInfo)
+        assert isinstance(wire.decode(out_recv.recv_bytes()), EngineInfo)
         sp = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)
         for rid in ("a", "b"):
             cmd_send.send(AddRequest(rid, [5, 6, 7, 8], sp, time.monotonic()))
         deadline = time.monotonic() + 20
         while True:  # until both generate
             assert out_recv.poll(max(deadline - time.monotonic(), 0.01)), "no tokens"
-            batch = out_recv.recv()
+            batch = wire.decode(out_recv.recv_bytes())
             assert isinstance(batch, StepBatch), batch
             if sum(bool(r.new_token_ids) for r in batch.records) == 2:
                 break
@@ -136,24 +137,23 @@ def test_the_engine_stops_cleanly_when_the_server_goes_away(qwen3_tiny, monkeypa
     assert not thread_deaths, thread_deaths
 
 
-def test_an_engine_output_that_does_not_unpickle_ends_the_requests_and_the_engine(qwen3_tiny, monkeypatch,
-                                                                                 thread_deaths):
-    """A message from the engine process that fails to unpickle: its tokens are lost, so the stream ends with an
+def test_an_engine_output_that_does_not_decode_ends_the_requests_and_the_engine(qwen3_tiny, monkeypatch,
+                                                                               thread_deaths):
+    """A frame from the engine process that fails to decode: its tokens are lost, so the stream ends with an
     error event naming it (not a wait forever), the engine process is stopped and new requests get 503."""
-    from multiprocessing.connection import Connection
-    real = Connection.recv
+    real = Wire.decode
     broken = []
 
-    def recv(self):
-        obj = real(self)
+    def decode(self, frame):
+        obj = real(self, frame)
         if not broken and isinstance(obj, StepBatch) and any(r.new_token_ids for r in obj.records):
             broken.append(obj)
-            raise pickle.UnpicklingError("invalid load key")
+            raise msgspec.DecodeError("truncated frame")
         return obj
-    monkeypatch.setattr(Connection, "recv", recv)
+    monkeypatch.setattr(Wire, "decode", decode)
     with served(qwen3_tiny, engine_backend="process") as (c, state):
         ev, errs = stream_until_it_ends(c)
-        assert broken and errs and "an engine output could not be read (UnpicklingError)" in errs[0]["message"], ev[-3:]
+        assert broken and errs and "an engine output could not be read (DecodeError)" in errs[0]["message"], ev[-3:]
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503
         assert state.engine.num_in_flight == 0

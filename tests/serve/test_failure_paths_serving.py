@@ -23,7 +23,7 @@ BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0.0, "ignore_eos
 @contextmanager
 def server(model, **cfg):
     state = ServerState(EngineConfig.from_kwargs(model, block_size=4, max_model_len=53),
-                        ServerConfig(enable_debug_routes=True, **cfg))
+                        ServerConfig(**{"enable_debug_routes": True, "engine_backend": "thread", **cfg}))
     with TestClient(build_app(state)) as c:
         deadline = time.monotonic() + 60
         while c.get("/health").status_code != 200:

@@ -20,9 +20,12 @@ ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=512, max
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class HTTPServer:"]
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_tiny):
-    srv = ServerProcess(qwen3_tiny, "--enable-debug-routes", "--max-model-len", str(MAX_MODEL_LEN),
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(qwen3_tiny, request):
+    """Every test here runs against both engine backends: the engine loop in its own process (the default) and on
+    a thread of the server's."""
+    srv = ServerProcess(qwen3_tiny, "--engine-backend", request.param, "--enable-debug-routes", "--max-model-len",
+                        str(MAX_MODEL_LEN),
                         "--num-gpu-blocks-override", "512", "--max-num-seqs", "64", "--max-body-bytes", "65536",
                         "--served-model-name", "tiny", "tiny-alias", api_key=API_KEY)
     with healthy(srv):

@@ -193,7 +193,8 @@ def test_api_key(c, route, body):
 
 
 def test_503_until_the_engine_is_up(bos_model):
-    state = ServerState(EngineConfig.from_kwargs(bos_model, block_size=4, max_model_len=53), ServerConfig())
+    state = ServerState(EngineConfig.from_kwargs(bos_model, block_size=4, max_model_len=53),
+                        ServerConfig(engine_backend="thread"))
     client = TestClient(build_app(state))  # no lifespan: the engine is never started
     for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
         err = refused(client, route, body, 503)

@@ -33,7 +33,8 @@ def served(model, kv: dict | None = None, **cfg):
     if kv is not None:
         kwargs["kv_transfer_config"] = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
                                         "kv_auth_token": TOKEN, "kv_transfer_timeout": 1.0, **kv}
-    state = ServerState(EngineConfig.from_kwargs(model, **kwargs), ServerConfig(enable_debug_routes=True, **cfg))
+    state = ServerState(EngineConfig.from_kwargs(model, **kwargs),
+                        ServerConfig(**{"enable_debug_routes": True, "engine_backend": "thread", **cfg}))
     app = build_app(state)
     with TestClient(app) as c:
         deadline = time.monotonic() + 60

@@ -1,0 +1,110 @@
+"""The CPU thread governor (worker/cpu_threads.py): what it reads of the machine and when it changes the count."""
+import os
+
+import pytest
+
+from pdserve.worker import cpu_threads
+from pdserve.worker.cpu_threads import CpuThreads, adaptive_threads, machine_busy_seconds, process_cpu_seconds
+
+
+class FakeMachine:
+    """A clock, the machine's busy seconds and our own CPU seconds, advanced by hand."""
+
+    def __init__(self):
+        self.t = self.busy = self.mine = 0.0
+        self.set_calls = []
+
+    def run(self, seconds: float, others: float, mine: float = 1.0):
+        """`seconds` pass; the rest of the machine uses `others` cores, this process `mine`."""
+        self.t += seconds
+        self.busy += seconds * (others + mine)
+        self.mine += seconds * mine
+
+    def governor(self, max_threads=2, cores=2, **kw):
+        g = CpuThreads(max_threads, interval=0.5, set_threads=self.set_calls.append, clock=lambda: self.t,
+                       busy=lambda: self.busy, own=lambda pid: self.mine if pid is None else 0.0, **kw)
+        g.cores = cores
+        return g
+
+
+def test_keeps_its_threads_while_the_cores_are_its_own():
+    m = FakeMachine()
+    g = m.governor()
+    for _ in range(10):
+        m.run(0.5, others=0.05, mine=2.0)
+        assert g.poll() == 2
+    assert m.set_calls == [] and g.others == pytest.approx(0.05)
+
+
+def test_drops_to_one_beside_a_busy_process_and_comes_back_without_flapping():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.5, others=0.9)
+    assert g.poll() == 1 and m.set_calls == [1]
+    m.run(0.5, others=0.2)  # between low and high: stays
+    assert g.poll() == 1
+    m.run(0.5, others=0.1)
+    assert g.poll() == 2 and m.set_calls == [1, 2]
+    m.run(0.5, others=0.31)  # just over high
+    assert g.poll() == 1
+
+
+def test_reads_at_most_once_an_interval():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.3, others=1.5)
+    assert g.poll() == 2 and m.set_calls == []  # too soon: not even read
+    m.run(0.3, others=1.5)
+    assert g.poll() == 1
+
+
+def test_many_cores_keep_what_the_others_leave():
+    m = FakeMachine()
+    g = m.governor(max_threads=16, cores=16)
+    m.run(0.5, others=4.0)
+    assert g.poll() == 12  # what the other processes leave
+    m.run(0.5, others=4.0)
+    assert g.poll() == 12
+    m.run(0.5, others=0.0)
+    assert g.poll() == 13  # back up one a reading
+
+
+def test_the_server_process_counts_as_its_own_work():
+    m = FakeMachine()
+    server = {"cpu": 0.0}
+    g = CpuThreads(2, interval=0.5, partner_pid=1234, set_threads=m.set_calls.append, clock=lambda: m.t,
+                   busy=lambda: m.busy, own=lambda pid: m.mine if pid is None else server["cpu"])
+    g.cores = 2
+    m.run(0.5, others=0.6)  # all of it the server's
+    server["cpu"] += 0.3
+    assert g.poll() == 2 and g.others == pytest.approx(0.0)
+
+
+def test_proc_readers(tmp_path):
+    stat = tmp_path / "stat"
+    tick = cpu_threads._TICK
+    stat.write_text(f"cpu  {3 * tick} 0 {tick} {50 * tick} 7 0 0 {tick} 0 0\ncpu0 1 2 3\n")
+    assert machine_busy_seconds(str(stat)) == pytest.approx(5.0)  # user + system + steal; idle and iowait not
+    stat.write_text("intr 1 2 3\n")
+    assert machine_busy_seconds(str(stat)) is None
+    assert machine_busy_seconds(str(tmp_path / "missing")) is None
+    assert process_cpu_seconds(2 ** 22 + 17) == 0.0  # no such process
+    sum(i * i for i in range(300_000))
+    assert abs(process_cpu_seconds(os.getpid()) - process_cpu_seconds()) < 0.1
+
+
+def test_off_where_the_count_is_not_its_to_choose(monkeypatch):
+    monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("PDSERVE_ADAPTIVE_THREADS", "1")
+    assert adaptive_threads("cuda") is None
+    g = adaptive_threads("cpu")
+    assert g is not None and g.max_threads == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert adaptive_threads("cpu") is None
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("PDSERVE_ADAPTIVE_THREADS", "0")
+    assert adaptive_threads("cpu") is None
+    monkeypatch.setenv("PDSERVE_ADAPTIVE_THREADS", "1")
+    monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 1)
+    assert adaptive_threads("cpu") is None

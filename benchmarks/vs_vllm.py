@@ -63,7 +63,8 @@ OFFLINE = ("import argparse, random, sys, time\nfrom pdserve import LLM, Samplin
            "prompts = [[rng.randrange(3, 900) for _ in range(a.isl)] for _ in range(a.n)]\n"
            "t = time.perf_counter()\nouts = llm.generate(prompts, sp, use_tqdm=False)\nt = time.perf_counter() - t\n"
            "print('OFFLINE', sum(len(o.outputs[0].token_ids) for o in outs) / t)\n")
-METRICS = ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+METRICS = ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
+           "output_throughput")
 CLIENT = ("import argparse, sys\nfrom vllm.benchmarks import serve\np = argparse.ArgumentParser()\n"
           "serve.add_cli_args(p)\nserve.main(p.parse_args(sys.argv[1:]))\n")
 
@@ -159,8 +160,8 @@ def client(model: str, port: int, isl: int, osl: int, rate: float, n: int, seed:
     cmd = [str(VENV / "bin/python"), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", "bench-model", "--tokenizer", model, "--dataset-name",
            "random", "--random-input-len", str(isl), "--random-output-len", str(osl), "--num-prompts", str(n),
-           "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir",
-           str(out.parent), "--result-filename", out.name]
+           "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed), "--percentile-metrics",
+           "ttft,tpot,itl,e2el", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
                    stderr=subprocess.STDOUT, timeout=1800)
     res = json.loads(out.read_text())
@@ -205,7 +206,8 @@ def main() -> None:
                     "event loop, one process)")
     ap.add_argument("--variants", default="", help="comma-separated NAME=FLAGS pdserve variants run for each "
                     "backend, e.g. 'overlap=,sync=--no-async-scheduling' (FLAGS: extra `pdserve serve` flags, "
-                    "space-separated); default: one variant, no extra flags")
+                    "space-separated; an ENV:NAME=VALUE item sets the server's environment instead, e.g. "
+                    "'t1=ENV:OMP_NUM_THREADS=1'); default: one variant, no extra flags")
     ap.add_argument("--load", type=int, default=0, help="also measure every server beside this many competing "
                     "engine processes (pdserve offline engines generating without pause, default settings), "
                     "quiet and loaded in alternating order; the table adds each server's loaded / quiet ratio")
@@ -236,6 +238,7 @@ def main() -> None:
         sys.exit(f"no vLLM venv at {VENV}: run `benchmarks/vs_vllm.py --install` first")
     sys.path.insert(0, str(ROOT))
     from pdserve.model.make_model import ensure_model
+    from pdserve.worker.cpu_threads import process_cpu_seconds
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -247,6 +250,9 @@ def main() -> None:
     if not args.skip_pdserve:
         arms += [(f"pdserve-{b}" + (f"-{name}" if name else ""), "pdserve", ("--engine-backend", b, *flags.split()))
                  for b in args.backends.split(",") for name, _, flags in variants]
+    # a variant's ENV:NAME=VALUE items are the server's environment, not flags
+    arm_env = {name: dict(f[4:].partition("=")[::2] for f in flags if f.startswith("ENV:")) for name, _, flags in arms}
+    arms = [(name, kind, tuple(f for f in flags if not f.startswith("ENV:"))) for name, kind, flags in arms]
     conditions = ["quiet", "loaded"] if args.load else ["quiet"]
     workloads = parse_workloads(args.workloads, args.models, args.num_prompts)
     results, offline_results = [], []
@@ -265,7 +271,7 @@ def main() -> None:
                 t0 = time.monotonic()
                 proc = start(server_cmd(kind, model, port, args.max_model_len, seqs, args.block_size, flags,
                                         args.dtype, args.long_prefill_token_threshold),
-                             env, tmp / f"{wl}-{name}-{run}.log", port, timeout=600)
+                             {**env, **arm_env[name]}, tmp / f"{wl}-{name}-{run}.log", port, timeout=600)
                 print(f"{wl} run {run}: {name} healthy after {time.monotonic() - t0:.0f} s", flush=True)
                 try:
                     client(model, port, isl, osl, rate, 8, 999, tmp / f"{wl}-{name}-{run}-warmup.json")
@@ -273,13 +279,17 @@ def main() -> None:
                         load = start_load(str(ensure_model("qwen3", "tiny", 0)), args.load, tmp) \
                             if cond == "loaded" else []
                         try:
+                            t0, cpu0 = time.monotonic(), sum(process_cpu_seconds(p.pid) for p in load)
                             r = client(model, port, isl, osl, rate, n, run, tmp / f"{wl}-{name}-{run}-{cond}.json")
+                            if load:  # the cores' worth the competing engines got meanwhile (client start-up too)
+                                r["load_cores"] = (sum(process_cpu_seconds(p.pid) for p in load) - cpu0) / \
+                                    (time.monotonic() - t0)
                         finally:
                             for p in load:
                                 stop(p)
                         per[(name, cond)].append(r)
-                        print(f"{wl} run {run}: {name} {cond} " + ", ".join(f"{k} {r[k]:.2f}" for k in METRICS),
-                              flush=True)
+                        print(f"{wl} run {run}: {name} {cond} " + ", ".join(f"{k} {r[k]:.2f}" for k in METRICS)
+                              + (f", competing engines got {r['load_cores']:.2f} cores" if load else ""), flush=True)
                 finally:
                     stop(proc)
             if args.offline:
@@ -289,7 +299,7 @@ def main() -> None:
                         tps = offline(model, tuple(engine_flags) + ("--max-model-len", str(args.max_model_len),
                                                                     "--max-num-seqs", str(seqs), "--dtype",
                                                                     args.dtype),
-                                      env, isl, osl, n, run)
+                                      {**env, **arm_env[name]}, isl, osl, n, run)
                         per_offline[name].append(tps)
                         print(f"{wl} run {run}: {name} offline {tps:.1f} tok/s", flush=True)
         for (name, cond), runs in per.items():

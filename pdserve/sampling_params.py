@@ -10,8 +10,13 @@ from typing import Any, Optional, Union
 _SAMPLING_EPS = 1e-5
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-100, 100], as OpenAI documents
-# vLLM's caps on bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): every step checks each word
+# Request lists, capped: each is checked for every token (stop strings, stop ids) or step (logit_bias) of the request,
+# a cost every request of the node pays, not only the sender (100k stop strings added 20.6 ms a token). vLLM's caps
+# on bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS); the others are pdserve's.
 _MAX_BAD_WORDS, _MAX_BAD_WORD_TOKENS = 128, 1024
+_MAX_STOP, _MAX_STOP_CHARS = 128, 16384  # stop strings, and their characters in all
+_MAX_STOP_TOKEN_IDS = 1024
+_MAX_LOGIT_BIAS_ENTRIES = 1024  # more: allowed_token_ids says "only these" at one cost
 # Keys vLLM copies from a model's generation_config.json into the default params.
 _GEN_CFG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -45,6 +50,9 @@ def _logit_bias(bias: Any) -> Optional[dict[int, float]]:
         return None
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {type(bias).__name__}")
+    if len(bias) > _MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias takes at most {_MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)} (to sample "
+                         "from a few tokens only, use allowed_token_ids)")
     out = {}
     for k, v in bias.items():
         try:
@@ -127,10 +135,15 @@ class SamplingParams:
             raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
         if any(s == "" for s in stop):
             raise ValueError("stop must not contain empty strings")
+        if len(stop) > _MAX_STOP or sum(map(len, stop)) > _MAX_STOP_CHARS:
+            raise ValueError(f"stop takes at most {_MAX_STOP} strings of {_MAX_STOP_CHARS} characters in all, got "
+                             f"{len(stop)} of {sum(map(len, stop))}")
         self.stop = list(stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (list, tuple)) and len(ids) > _MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {_MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"[:200])
         self.stop_token_ids = list(ids)
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",

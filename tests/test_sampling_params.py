@@ -138,3 +138,18 @@ def test_from_generation_config_object_and_errors():
         SamplingParams.from_generation_config({"top_p": 0.0})
     with pytest.raises(ValueError, match="temprature"):
         SamplingParams.from_generation_config({}, temprature=0.1)
+
+
+@pytest.mark.parametrize("field, at_cap, over", [
+    ("stop", [f"w{i}" for i in range(128)], [f"w{i}" for i in range(129)]),
+    ("stop", ["x" * 16384], ["x" * 16383, "yy"]),
+    ("stop_token_ids", list(range(1024)), list(range(1025))),
+    ("logit_bias", {i: 1.0 for i in range(1024)}, {i: 1.0 for i in range(1025)}),
+])
+def test_request_lists_are_capped(field, at_cap, over):
+    """Each is walked for every token or step of the request: at the cap it is taken, one past it is refused,
+    the message naming the field first (the server's 400 names it from there)."""
+    SamplingParams(**{field: at_cap})
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: over})
+    assert str(e.value).startswith(f"{field} takes at most"), e.value

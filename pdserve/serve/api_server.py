@@ -11,6 +11,7 @@ requests in flight with an error, and the server exits 1, as vLLM's does, so tha
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -135,7 +136,8 @@ def build_app(state: ServerState) -> FastAPI:
         if state.api_key is None:
             return
         auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {state.api_key}":
+        # constant-time: a `!=` returns sooner the earlier the first wrong byte, which leaks the key byte by byte
+        if not hmac.compare_digest(auth.encode(), f"Bearer {state.api_key}".encode()):
             raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                            headers={"WWW-Authenticate": "Bearer"})
 
@@ -197,8 +199,8 @@ def build_app(state: ServerState) -> FastAPI:
                         [Depends(check_auth)])
 
     if state.cfg.enable_debug_routes:
-        @app.get("/debug/kv")
-        async def debug_kv():
+        @app.get("/debug/kv", dependencies=[Depends(check_auth)])  # under the key like every route that says
+        async def debug_kv():  # something of the node's state
             return await state.engine.query("kv", timeout=30.0)
 
     return app

@@ -56,6 +56,7 @@ class AsyncEngine:
         self.accepting = True
         self._reqs: dict[str, _RequestState] = {}
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
+        self._next_suffix: OrderedDict[str, int] = OrderedDict()  # id -> the suffix its next repeat tries first
         self._num_queued = 0  # accepted requests without a first token yet
         self._queries: dict[int, asyncio.Future] = {}
         self._qids = itertools.count()
@@ -233,7 +234,15 @@ class AsyncEngine:
         def taken(rid: str) -> bool:
             return rid in self._reqs or rid in self._recent_ids
         if taken(request_id):
-            request_id = next(f"{request_id}-{i}" for i in itertools.count(1) if not taken(f"{request_id}-{i}"))
+            # the search starts where the last one for this id stopped: a client that sends one id k times costs
+            # O(k) in all, not O(k^2) (counting from -1 each time took ~30 ms of event loop after 10-20k repeats)
+            base, i = request_id, self._next_suffix.pop(request_id, 1)
+            while taken(f"{base}-{i}"):
+                i += 1
+            request_id = f"{base}-{i}"
+            self._next_suffix[base] = i + 1
+            if len(self._next_suffix) > RECENT_IDS:
+                self._next_suffix.popitem(last=False)
         self._recent_ids[request_id] = None
         if len(self._recent_ids) > RECENT_IDS:
             self._recent_ids.popitem(last=False)

@@ -74,6 +74,10 @@ def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple
             raise bad_request(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
         conv.append({**m, "content": content})
     kwargs = dict(req.chat_template_kwargs or {})
+    if "chat_template" in kwargs:  # a template is code the server would run, on its event loop: as the top-level
+        # field (protocol._NOT_SERVED), a request's own is refused
+        raise bad_request("chat_template_kwargs.chat_template: a request's own chat template is not served (the "
+                          "model's is used)", "chat_template_kwargs")
     try:
         text = info.tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,

@@ -181,18 +181,19 @@ def test_a_declared_parameter_that_fails_validation_is_a_400_naming_it(srv):
     served_still(c)
 
 
-@pytest.mark.parametrize("kwargs,why", [
-    ({"chat_template": "{{ raise_exception('this template takes no such turn') }}"},
-     "this template takes no such turn"),
-    ({"tokenize": True}, "tokenize"),  # clashes with the server's own call
-], ids=["template-raises", "kwarg-clash"])
-def test_a_failing_chat_template_is_a_400(srv, kwargs, why):
+@pytest.mark.parametrize("kwargs,param,start", [
+    # a request's own template is code the server would run: refused before anything renders it
+    ({"chat_template": "{{ raise_exception('this template takes no such turn') }}"}, "chat_template_kwargs",
+     "chat_template_kwargs.chat_template: a request's own chat template is not served"),
+    ({"tokenize": True}, "messages", "messages: the chat template failed: "),  # clashes with the server's own call
+], ids=["own-template", "kwarg-clash"])
+def test_a_failing_chat_template_is_a_400(srv, kwargs, param, start):
     c, _ = srv
     r = c.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["message"].startswith("messages: the chat template failed: ") and why in err["message"]
-    assert err["param"] == "messages" and "Traceback" not in r.text
+    assert err["message"].startswith(start), err
+    assert err["param"] == param and "Traceback" not in r.text
     served_still(c)
 
 

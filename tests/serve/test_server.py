@@ -565,7 +565,7 @@ def test_unset_max_tokens_is_observed_as_what_the_context_leaves(server, http):
     completion's default is 16, as OpenAI's)."""
     before = metrics(http)
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0,
-            "stop_token_ids": list(range(8192))}  # stops at its first token
+            "allowed_token_ids": [77], "stop_token_ids": [77]}  # stops at its first token
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=30)
     assert r.status_code == 200, r.text
     n_prompt = r.json()["usage"]["prompt_tokens"]
@@ -750,6 +750,13 @@ def test_auth_routes_and_unknown_fields(server, http):
                    headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # not behind the key
+    # the KV pool's state is the node's: behind the key like the API (it was open to anyone)
+    assert httpx.get(server.url + "/debug/kv", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/debug/kv", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    # a right key that is one byte longer or shorter is still wrong (the comparison is of the whole header)
+    for bad in (f"Bearer {API_KEY}x", f"Bearer {API_KEY[:-1]}"):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=10, headers={"Authorization": bad})
+        assert r.status_code == 401
     for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
         r = http.request(method, path, timeout=10)
         assert r.status_code == status and r.json()["error"]["code"] == status
@@ -779,3 +786,23 @@ def test_token_count_buckets_stop_at_max_model_len():
     from pdserve.serve.metrics import _1_2_5
     assert _1_2_5(1) == [1.0] and _1_2_5(4) == [1.0, 2.0]
     assert _1_2_5(100) == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0] and _1_2_5(199)[-1] == 100.0
+
+
+def test_hostile_lists_and_templates_are_400s_naming_the_field(server, http):
+    """Lists every token or step of a request would walk, past their caps, and a request's own chat template
+    (through chat_template_kwargs), are refused with a 400 naming the field, quickly, and the node serves on."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    for field, value in (("stop", [f"s{i}" for i in range(5000)]),  # (the body limit here is 64 KiB)
+                         ("stop_token_ids", list(range(5, 5 + 5000))),
+                         ("logit_bias", {str(i): 1.0 for i in range(1025)})):
+        t = time.monotonic()
+        r = http.post("/v1/completions", json={**body, field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text[:300])
+        assert time.monotonic() - t < 5, field
+    hostile = "{% for x in range(10**9) %}{% for y in range(10**9) %}{% endfor %}{% endfor %}"
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "chat_template_kwargs": {"chat_template": hostile}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    ok = http.post("/v1/completions", json={**body, "stop": [f"s{i}" for i in range(128)],
+                                            "logit_bias": {str(i): 0.5 for i in range(1024)}}, timeout=30)
+    assert ok.status_code == 200, ok.text

@@ -55,10 +55,11 @@ LOAD = ("import sys\nfrom pdserve import LLM, SamplingParams\nllm = LLM(sys.argv
 OFFLINE = ("import argparse, random, sys, time\nfrom pdserve import LLM, SamplingParams\n"
            "from pdserve.config import ENGINE_SECTIONS, add_dataclass_args, engine_kwargs_from_args\n"
            "p = argparse.ArgumentParser()\np.add_argument('model')\np.add_argument('--n', type=int)\n"
-           "p.add_argument('--isl', type=int)\np.add_argument('--osl', type=int)\np.add_argument('--seed', type=int)\n"
+           "p.add_argument('--isl', type=int)\np.add_argument('--osl', type=int)\n"
+           "p.add_argument('--prompt-seed', type=int)\n"
            "[add_dataclass_args(p, c) for c in ENGINE_SECTIONS]\na, _ = p.parse_known_args()\n"
            "llm = LLM(a.model, **{k: v for k, v in engine_kwargs_from_args(a).items() if k != 'model'})\n"
-           "rng = random.Random(a.seed)\nsp = SamplingParams(max_tokens=a.osl, ignore_eos=True, temperature=0)\n"
+           "rng = random.Random(a.prompt_seed)\nsp = SamplingParams(max_tokens=a.osl, ignore_eos=True, temperature=0)\n"
            "llm.generate([[rng.randrange(3, 900) for _ in range(a.isl)] for _ in range(8)], sp, use_tqdm=False)\n"
            "prompts = [[rng.randrange(3, 900) for _ in range(a.isl)] for _ in range(a.n)]\n"
            "t = time.perf_counter()\nouts = llm.generate(prompts, sp, use_tqdm=False)\nt = time.perf_counter() - t\n"
@@ -151,8 +152,8 @@ def start_load(model: str, n: int, tmp: Path) -> list[subprocess.Popen]:
 def offline(model: str, flags: tuple, env: dict, isl: int, osl: int, n: int, seed: int) -> float:
     """pdserve's offline output tokens/s on the workload (all prompts at once), with the arm's engine flags."""
     out = subprocess.run([sys.executable, "-c", OFFLINE, model, "--n", str(n), "--isl", str(isl), "--osl", str(osl),
-                          "--seed", str(seed), *flags], env={**os.environ, **env}, cwd=ROOT, capture_output=True,
-                         text=True, timeout=1800, check=True)
+                          "--prompt-seed", str(seed), *flags], env={**os.environ, **env}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=1800, check=True)
     return float(next(line for line in out.stdout.splitlines() if line.startswith("OFFLINE")).split()[1])
 
 

@@ -135,9 +135,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
         if any(s == "" for s in stop):
             raise ValueError("stop must not contain empty strings")
-        if len(stop) > _MAX_STOP or sum(map(len, stop)) > _MAX_STOP_CHARS:
+        chars = sum(map(len, stop))
+        if len(stop) > _MAX_STOP or chars > _MAX_STOP_CHARS:
             raise ValueError(f"stop takes at most {_MAX_STOP} strings of {_MAX_STOP_CHARS} characters in all, got "
-                             f"{len(stop)} of {sum(map(len, stop))}")
+                             f"{len(stop)} of {chars}")
         self.stop = list(stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(ids, (list, tuple)) and len(ids) > _MAX_STOP_TOKEN_IDS:

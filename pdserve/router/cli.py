@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from typing import Optional
 
 import httpx
 
 from pdserve.router import app as _router
+from pdserve.serve.request_context import exit_cleanly_after_signals
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -66,10 +66,7 @@ def run_router(args) -> int:
     check_router_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval)
-    # As `pdserve serve`: uvicorn restores the handlers it found and re-raises the signal it caught once it has shut
-    # down; with these no-ops in place a clean SIGTERM/SIGINT exits 0, not 143/130 (a supervisor reads that as a crash)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, f: None)
+    exit_cleanly_after_signals()  # as `pdserve serve`: 0 after a clean SIGTERM, not 143
     uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 

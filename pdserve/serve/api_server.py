@@ -33,7 +33,7 @@ from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.serve.prompts import ModelInfo
 from pdserve.serve.protocol import parse_json_body
-from pdserve.serve.request_context import RequestContextMiddleware, configure_logging
+from pdserve.serve.request_context import RequestContextMiddleware, configure_logging, exit_cleanly_after_signals
 from pdserve.serve.server_config import ServerConfig
 from pdserve.serve.serving import OpenAIServing
 from pdserve.serve.tokenize import add_tokenize_routes
@@ -246,11 +246,7 @@ def run_server(engine_config, cfg: ServerConfig) -> int:
                             timeout_keep_alive=30)
     server = _Server.make(config, state)
     app.state.uvicorn_server = server
-    # Installed just before uvicorn takes the signals over. uvicorn restores the handlers it found and re-raises
-    # the signal it caught once it has shut down; with these in place that re-raise is a no-op and the process
-    # exits 0 instead of dying by the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, f: None)
+    exit_cleanly_after_signals()
     server.run()
     if state.startup_failed or state.engine_died:
         return 1

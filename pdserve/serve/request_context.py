@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import sys
 import time
 import uuid
@@ -85,3 +86,11 @@ class RequestContextMiddleware:
             logger.log(lvl, "%s %s %s %.1f ms", scope.get("method"), path, status[0] or "-",
                        (time.perf_counter() - t0) * 1e3)
             request_id_var.reset(token)
+
+
+def exit_cleanly_after_signals() -> None:
+    """Call just before uvicorn takes SIGTERM/SIGINT over. uvicorn restores the handlers it found and re-raises the
+    signal it caught once it has shut down; with these no-ops in place that re-raise does nothing and the process
+    exits 0 after a clean shutdown, not 143/130 (a supervisor reads death by signal as a crash)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: None)

@@ -6,8 +6,8 @@ of a small model is hundreds of short regions, each ending in a barrier; when ot
 the barrier waits for a thread the kernel has descheduled and every region costs a time slice. Measured on the two
 cores here (tiny model, 8 rows, benchmarks/shared_cores.py): 3.8 ms a step alone, 115 ms beside two other
 engines, 10.6 ms with one thread. One thread costs a fifth (tiny) to a half (small model) of the step when the
-cores are free, so the engine keeps its threads then and gives them up only while the cores are contended. vLLM's CPU worker instead keeps
-one core free for its engine-core process at all times.
+cores are free, so the engine keeps its threads then and gives them up only while the cores are contended.
+vLLM's CPU worker instead keeps one core free for its engine-core process at all times.
 
 `CpuThreads.poll()` is called between steps; once per `interval` it reads the whole machine's busy time
 (/proc/stat), subtracts its own process's (and the server process's, which shares its work) and so learns what the

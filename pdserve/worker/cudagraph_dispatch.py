@@ -17,7 +17,10 @@ import bisect
 import enum
 import operator
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
 
 Rule = Literal["strict", "prompt-tail", "decode-shaped"]
 # Why a step is not FULL: its rows (prefill, non_uniform), its size (over_capture_size: more tokens than the largest
@@ -151,3 +154,37 @@ class CudagraphDispatcher:
         if runtime == CUDAGraphMode.PIECEWISE:
             return CUDAGraphMode.PIECEWISE, BatchDescriptor(self.pad[num_tokens], num_reqs, 0), reason
         return CUDAGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, 0), reason
+
+
+def dispatcher_for(config: "EngineConfig") -> CudagraphDispatcher:
+    """The dispatcher an engine with `config` runs: its capture ladder and graph policy. A function of the config
+    alone, so the model runner and the fleet simulator (pdserve/sim) pad and label steps by the same table."""
+    sched, comp = config.scheduler, config.compilation
+    uniform_query_len = 1 + config.num_speculative_tokens
+    capture_sizes = comp.capture_sizes(sched.max_num_seqs)
+    if uniform_query_len > 1 and not comp.cudagraph_capture_sizes:
+        # the FULL ladder becomes q x {1, 2, 4, 8, ...} rows (the default ladder read as row counts, up to
+        # the first that holds max_num_seqs)
+        q = uniform_query_len
+        rows = [s for s in capture_sizes if s < sched.max_num_seqs]
+        rows.append(next((s for s in capture_sizes if s >= sched.max_num_seqs), sched.max_num_seqs))
+        capture_sizes = sorted(set(capture_sizes) | {q * s for s in rows})
+    return CudagraphDispatcher(capture_sizes, CUDAGraphMode(comp.cudagraph_mode), comp.enforce_eager,
+                               sorted({1, uniform_query_len}), sched.max_num_seqs)
+
+
+_SCHEDULED = operator.attrgetter("num_scheduled_tokens")
+_COMPUTED = operator.attrgetter("num_computed_tokens")
+_PREFILL_LEN = operator.attrgetter("request.prefill_len")
+_DRAFTS = operator.attrgetter("draft_token_ids")
+
+
+def choose_graph(dispatcher: CudagraphDispatcher, rows, uniform_query_len: int, rule: Rule, is_pd_consumer: bool
+                 ) -> tuple[CUDAGraphMode, BatchDescriptor, Optional[Reason], int]:
+    """(runtime mode, padded descriptor, reason, unpadded tokens) for a step's `rows` (ScheduledRows, read before
+    the step's update). A step without drafts rides q = 1 graphs even with speculative decoding."""
+    num_scheduled = list(map(_SCHEDULED, rows))
+    num_tokens = sum(num_scheduled)
+    q = uniform_query_len if uniform_query_len > 1 and any(map(_DRAFTS, rows)) else 1
+    cls = classify(num_scheduled, list(map(_COMPUTED, rows)), list(map(_PREFILL_LEN, rows)), q, rule, is_pd_consumer)
+    return (*dispatcher.dispatch(num_tokens, len(rows), cls), num_tokens)

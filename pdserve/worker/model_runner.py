@@ -1,8 +1,6 @@
 """Runs one scheduled step on the model: fills the input buffers, runs the forward pass, samples."""
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from pdserve.attention import make_backend
@@ -14,17 +12,11 @@ from pdserve.sched_output import NULL_BLOCK, ModelRunnerOutput, ScheduledRow, cd
 from pdserve.spec_decode.verifier import SpecDecodeStats, verify
 from pdserve.worker.host_memory import keep_freed_host_memory
 from pdserve.worker.cudagraph import FullGraphRunner
-from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, CudagraphDispatcher, classify
+from pdserve.worker.cudagraph_dispatch import CUDAGraphMode, choose_graph, dispatcher_for
 from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
 from pdserve.worker.piecewise import PiecewiseRunner
 from pdserve.worker.prompt_logprobs import PromptLogprobs
-
-
-_SCHEDULED = operator.attrgetter("num_scheduled_tokens")
-_COMPUTED = operator.attrgetter("num_computed_tokens")
-_PREFILL_LEN = operator.attrgetter("request.prefill_len")
-_DRAFTS = operator.attrgetter("draft_token_ids")
 
 
 def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
@@ -53,16 +45,7 @@ class ModelRunner:
         # A drafting step's rows are decode-shaped at q = 1 + K; steps that draft nothing keep q = 1.
         self.uniform_query_len = 1 + config.num_speculative_tokens
         self.is_pd_consumer = config.is_pd_consumer
-        capture_sizes = comp.capture_sizes(sched.max_num_seqs)
-        if self.uniform_query_len > 1 and not comp.cudagraph_capture_sizes:
-            # the FULL ladder becomes q x {1, 2, 4, 8, ...} rows (the default ladder read as row counts, up to
-            # the first that holds max_num_seqs)
-            q = self.uniform_query_len
-            rows = [s for s in capture_sizes if s < sched.max_num_seqs]
-            rows.append(next((s for s in capture_sizes if s >= sched.max_num_seqs), sched.max_num_seqs))
-            capture_sizes = sorted(set(capture_sizes) | {q * s for s in rows})
-        self.dispatcher = CudagraphDispatcher(capture_sizes, CUDAGraphMode(comp.cudagraph_mode), comp.enforce_eager,
-                                              sorted({1, self.uniform_query_len}), sched.max_num_seqs)
+        self.dispatcher = dispatcher_for(config)
         self.buffers = InputBuffers(max_tokens=max(self.max_num_tokens(), self.dispatcher.max_size),
                                     max_reqs=max(sched.max_num_seqs, self.dispatcher.max_size),
                                     max_blocks_per_req=cdiv(max_model_len, self.block_size),
@@ -182,12 +165,8 @@ class ModelRunner:
 
     def choose_graph(self, rows):
         """(runtime mode, padded descriptor, reason, unpadded tokens) for a step's rows."""
-        num_scheduled = list(map(_SCHEDULED, rows))
-        num_tokens = sum(num_scheduled)
-        q = self.uniform_query_len if self.uniform_query_len > 1 and any(map(_DRAFTS, rows)) else 1
-        cls = classify(num_scheduled, list(map(_COMPUTED, rows)), list(map(_PREFILL_LEN, rows)),
-                       q, self.config.compilation.full_graph_rule, self.is_pd_consumer)
-        return (*self.dispatcher.dispatch(num_tokens, len(rows), cls), num_tokens)
+        return choose_graph(self.dispatcher, rows, self.uniform_query_len, self.config.compilation.full_graph_rule,
+                            self.is_pd_consumer)
 
     @torch.inference_mode()
     def execute(self, rows, blocks_of) -> ModelRunnerOutput:

@@ -1,0 +1,117 @@
+"""A simulated P/D KV connector: the scheduler side is the real contract (transfer/base.py), the wire is a
+transfer-time model (latency + bytes / bandwidth) on the simulator's clock.
+
+P (`kv_producer`) keeps a finished prefill's blocks under a lease (`request_finished` says keep) and hands out
+params naming the transfer; D (`kv_consumer`) offers the n - 1 prompt tokens past its own prefix hit
+(`get_num_new_matched_tokens`), so `KVTransfers.start_load` allocates and parks the request in `loading`
+exactly as on a real D; its load completes at now + transfer time, reported by `get_finished` on D's first step at
+or after that time, and releases P's lease (D's `done` rides its last read, as TcpConnector's). Leases never
+expire here: a simulated D always pulls (lease expiry and failed loads are left to a later fidelity step).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Optional
+
+from pdserve.request import Request
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job
+
+
+class TransferModel:
+    """Seconds to move `num_bytes` of KV between two nodes: a fixed latency plus bytes over bandwidth."""
+
+    def __init__(self, bandwidth_bytes_s: float, latency_s: float):
+        if not bandwidth_bytes_s > 0 or not math.isfinite(bandwidth_bytes_s):
+            raise ValueError("--kv-bandwidth-gb-s must be a number > 0")
+        if not 0 <= latency_s < math.inf:
+            raise ValueError("--kv-latency-ms must be a number >= 0")
+        self.bandwidth = bandwidth_bytes_s
+        self.latency = latency_s
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency + num_bytes / self.bandwidth
+
+
+class Fabric:
+    """The producers' leases, by transfer id: where a D's load finds the P to release."""
+
+    def __init__(self, transfer: TransferModel, kv_bytes_per_token: float, block_size: int):
+        self.transfer = transfer
+        self.block_bytes = kv_bytes_per_token * block_size
+        self.producers: dict[str, "SimConnector"] = {}
+        self.bytes_moved = 0.0
+
+    def release(self, params: dict) -> None:
+        p = self.producers.get(params.get("remote_engine_id"))
+        if p is not None:
+            p.released.add(params["remote_request_id"])
+
+
+class SimConnector(KVConnector):
+    def __init__(self, role: str, engine_id: str, fabric: Fabric, block_size: int):
+        super().__init__(None, None)
+        self.role, self.engine_id, self.fabric, self.block_size = role, engine_id, fabric, block_size
+        self.now = 0.0  # the node sets it before each step: the simulator's clock
+        self.queued: list[LoadJob] = []
+        self.inflight: list[tuple[float, str, dict]] = []  # heap of (done time, request id, params)
+        self.released: set[str] = set()  # P: leases D has finished reading
+        self.open_leases = 0
+        if role == "kv_producer":
+            fabric.producers[engine_id] = self
+
+    # ---- scheduler side --------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
+        if self.role != "kv_consumer" or not (req.kv_transfer_params or {}).get("do_remote_prefill"):
+            return 0
+        return max(0, req.num_prompt_tokens - 1 - num_local_computed)
+
+    def lease_time_left(self, req: Request) -> float:
+        return math.inf
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
+        self.queued.append(load_job(req, block_ids, num_local_computed, self.block_size))
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        meta, self.queued = ConnectorMeta(self.queued), []
+        return meta
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        if self.role != "kv_producer" or not (req.kv_transfer_params or {}).get("do_remote_decode"):
+            return False, None
+        self.open_leases += 1
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                      "remote_request_id": req.request_id, "remote_block_ids": list(block_ids),
+                      "num_prompt_tokens": req.num_prompt_tokens}
+
+    def request_abandoned(self, req: Request) -> None:
+        self.fabric.release(req.kv_transfer_params)
+
+    # ---- worker side -----------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        for job in meta.loads:
+            if not job.dst_blocks:  # a bare `done`: D had the prompt cached, or prefills it itself
+                self.fabric.release(job.params)
+                continue
+            num_bytes = len(job.dst_blocks) * self.fabric.block_bytes
+            self.fabric.bytes_moved += num_bytes
+            heapq.heappush(self.inflight, (self.now + self.fabric.transfer.seconds(num_bytes), job.request_id,
+                                           job.params))
+
+    def get_finished(self) -> FinishedTransfers:
+        fin = FinishedTransfers()
+        while self.inflight and self.inflight[0][0] <= self.now:
+            _, rid, params = heapq.heappop(self.inflight)
+            fin.done_recving.add(rid)
+            self.fabric.release(params)
+        if self.released:
+            fin.done_sending, self.released = self.released, set()
+            self.open_leases -= len(fin.done_sending)
+        return fin
+
+    def next_event(self) -> Optional[float]:
+        """When this connector next has something to report: the earliest load in flight."""
+        return self.inflight[0][0] if self.inflight else None
+
+    def has_pending(self) -> bool:
+        return bool(self.inflight or self.released)

@@ -1,0 +1,172 @@
+"""One simulated pdserve node: the engine's own Scheduler, KVCacheManager, BlockPool, KVTransfers and graph
+dispatcher, driven through the calls `LLMEngine.step` makes (poll transfers -> schedule -> connector loads ->
+graph choice -> run -> update_from_output); only the model forward is replaced by a step-time profile and a
+stand-in sampler.
+
+The stand-in sampler gives every row that samples (`ScheduledRow.samples`) a token id that is never EOS or a stop
+token (the requests are made with `ignore_eos` and no stop ids), so every request runs to its trace's output length
+through the scheduler's own stop checks; a drafting row (speculative decoding) gets its accepted drafts, each kept
+with probability `spec_acceptance` until the first rejection (placeholders are always rejected, as the rejection
+sampler's), then one more token.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdserve.config import EngineConfig
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.kv_transfers import KVTransfers
+from pdserve.core.scheduler import Scheduler
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
+from pdserve.sched_output import SchedulerOutput, cdiv
+from pdserve.sim.connector import SimConnector
+from pdserve.sim.profile import Profile, StepShape
+from pdserve.sim.trace import FIRST_TOKEN_ID
+from pdserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from pdserve.worker.cudagraph_dispatch import choose_graph, dispatcher_for
+from pdserve.worker.graph_metrics import GraphStats
+
+DEFAULT_MAX_MODEL_LEN = 4096  # the engine's cap on a model's max_position_embeddings
+
+
+@dataclass
+class StepRecord:
+    """One simulated step, in the terms the engine's step has: its rows as scheduled, the graph the dispatcher
+    chose, what the update emitted and finished."""
+    start: float
+    end: float
+    mode: str
+    reason: Optional[str]
+    num_tokens: int
+    padded_tokens: int
+    rows: list[tuple[str, int, int]]  # (request id, num_computed_tokens, num_scheduled_tokens), in order
+    preempted: list[str] = field(default_factory=list)
+    emitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+
+
+def num_blocks_for(config: EngineConfig, kv_bytes_per_token: float, max_model_len: int) -> int:
+    """KV blocks of a node, the null block included, as the engine sizes them on CPU: the override, else
+    kv_cache_memory_gb over the profile's bytes per block, capped at max_num_seqs full-length sequences."""
+    cc = config.cache
+    per_seq = cdiv(max_model_len, cc.block_size)
+    if cc.num_gpu_blocks_override is not None:
+        n = cc.num_gpu_blocks_override
+    else:
+        per_block = kv_bytes_per_token * cc.block_size
+        n = min(int(cc.kv_cache_memory_gb * 2 ** 30 // per_block), config.scheduler.max_num_seqs * per_seq) + 1
+    if n - 1 < per_seq:
+        flag = "--num-gpu-blocks-override" if cc.num_gpu_blocks_override is not None else "--kv-cache-memory-gb"
+        raise ValueError(f"the KV cache ({n - 1} blocks of {cc.block_size} tokens) cannot hold one max_model_len "
+                         f"({max_model_len}) sequence; raise {flag} or lower --max-model-len")
+    return n
+
+
+class SimNode:
+    def __init__(self, name: str, config: EngineConfig, profile: Profile, max_model_len: int, num_blocks: int,
+                 connector: Optional[SimConnector] = None, spec_acceptance: float = 0.0, vocab_size: int = 32000,
+                 seed: int = 0, device: str = "sim"):
+        self.name, self.config, self.profile, self.max_model_len = name, config, profile, max_model_len
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.connector = connector
+        policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
+        transfers = KVTransfers(self.kv, connector, policy)
+        # the engine's own scheduler, built as LLMEngine builds it
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len, config.speculative_config, transfers)
+        self.dispatcher = dispatcher_for(config)
+        self.uniform_query_len = 1 + config.num_speculative_tokens
+        self.rule = config.compilation.full_graph_rule
+        self.is_pd_consumer = connector is not None and connector.role == "kv_consumer"
+        self.graph_stats = GraphStats(device, captured=False)
+        self.spec_acceptance = spec_acceptance
+        self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                            "num_placeholder_tokens": 0}
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.busy_until = 0.0
+        self.num_steps = 0
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], output_len: int, arrival_time: float,
+                     kv_transfer_params: Optional[dict] = None) -> Request:
+        """A request as the engine's make_request builds it for `max_tokens=output_len, ignore_eos=True`; the
+        engine's prompt checks (ValueError, the same messages)."""
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}")
+        if n + output_len > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({output_len}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+        return Request(request_id, prompt_token_ids, params, frozenset(), arrival_time, max_tokens=output_len,
+                       kv_transfer_params=kv_transfer_params)
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def next_transfer_event(self) -> Optional[float]:
+        return self.connector.next_event() if self.connector is not None else None
+
+    def step(self, now: float) -> Optional[StepRecord]:
+        """One engine step at `now`; None when there was nothing to run (loads in flight, or idle)."""
+        if self.connector is not None:
+            self.connector.now = now
+            self.scheduler.process_transfers(self.connector.get_finished())  # no load fails here
+        out = self.scheduler.schedule()
+        if self.connector is not None:
+            self.connector.start_load_kv(self.connector.build_connector_meta())
+        if not out.rows:
+            return None
+        mode, desc, reason, num_tokens = choose_graph(self.dispatcher, out.rows, self.uniform_query_len, self.rule,
+                                                      self.is_pd_consumer)
+        self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(out.rows), reason)
+        dt = self.profile.step_time(_shape(out, mode.value, desc.num_tokens, num_tokens))
+        rows = [(r.request.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.rows]
+        updated = self.scheduler.update_from_output(out, self._sample(out))
+        self.num_steps += 1
+        self.busy_until = now + dt
+        return StepRecord(now, now + dt, mode.value, reason, num_tokens, desc.num_tokens, rows,
+                          [r.request_id for r in out.preempted], [(r, r.num_new_tokens) for r in updated])
+
+    def _token(self) -> int:
+        return self.rng.randrange(FIRST_TOKEN_ID, self.vocab_size)
+
+    def _sample(self, out: SchedulerOutput) -> list:
+        sampled: list = []
+        for row in out.rows:
+            if not row.samples:
+                sampled.append(None)
+            elif row.draft_token_ids:
+                sampled.append(self._verify(row.draft_token_ids))
+            else:
+                sampled.append(self._token())
+        return sampled
+
+    def _verify(self, drafts) -> list[int]:
+        c = self.spec_counts
+        c["num_drafts"] += 1
+        emitted = []
+        for d in drafts:
+            if d == PLACEHOLDER_TOKEN_ID:
+                c["num_placeholder_tokens"] += 1
+                continue
+            c["num_draft_tokens"] += 1
+        for d in drafts:
+            if d == PLACEHOLDER_TOKEN_ID or self.rng.random() >= self.spec_acceptance:
+                break
+            emitted.append(d)
+        c["num_accepted_tokens"] += len(emitted)
+        return emitted + [self._token()]
+
+
+def _shape(out: SchedulerOutput, mode: str, padded: int, num_tokens: int) -> StepShape:
+    ctx = pairs = 0
+    for r in out.rows:
+        c, q = r.num_computed_tokens, r.num_scheduled_tokens
+        ctx += c + q
+        pairs += q * c + q * (q + 1) // 2
+    return StepShape(mode, num_tokens, padded, len(out.rows), ctx, pairs)

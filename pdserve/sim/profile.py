@@ -1,0 +1,164 @@
+"""Step-time profiles: how long one engine step takes, as a function of its shape and its graph mode.
+
+A profile is a JSON object with a `type`, checked field by field on load (an error names the field, e.g.
+`coefficients.per_token_s`); unknown fields are refused, so a typo never silently reads as a default.
+
+- `linear` (fitted by `pdserve sim calibrate` from this machine's engine):
+  t = base_s[mode] + per_token_s x padded tokens + per_row_s x rows + per_context_token_s x KV tokens read
+- `roofline` (a GPU from its datasheet): t = step_overhead_s[mode] + max(bytes / bandwidth, FLOPs / peak), bytes
+  the weights plus the KV read and written, FLOPs the dense layers' per padded token plus attention's per
+  (query, key) pair.
+
+Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
+the wire) and optionally `max_model_len`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+MODES = ("FULL", "PIECEWISE", "NONE")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs is read from: its rows as scheduled and the dispatcher's choice."""
+    mode: str  # runtime graph mode: FULL, PIECEWISE, NONE
+    num_tokens: int  # scheduled tokens (drafts included)
+    padded_tokens: int  # tokens the forward runs (a graph's captured size)
+    num_reqs: int
+    context_tokens: int  # KV tokens attention reads: each row's context plus its own new tokens
+    attention_pairs: int  # (query, key) pairs: each new token against its context and the row's earlier new tokens
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def _number(d: dict, key: str, where: str, positive: bool = False) -> float:
+    if key not in d:
+        raise ProfileError(f"{where}{key}: missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+            (positive and v == 0):
+        raise ProfileError(f"{where}{key}: must be a number {'> 0' if positive else '>= 0'}, got {v!r}"[:160])
+    return float(v)
+
+
+def _section(d: dict, key: str, where: str = "") -> dict:
+    v = d.get(key)
+    if not isinstance(v, dict):
+        raise ProfileError(f"{where}{key}: " + ("missing" if key not in d else f"must be an object, got {v!r}"[:120]))
+    return v
+
+
+def _only(d: dict, allowed: tuple, where: str) -> None:
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise ProfileError(f"{where}{unknown[0]}: unknown field (known: {', '.join(allowed)})")
+
+
+def _per_mode(d: dict, key: str) -> dict[str, float]:
+    sec = _section(d, key)
+    _only(sec, MODES, f"{key}.")
+    return {m: _number(sec, m, f"{key}.") for m in MODES}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    kv_bytes_per_token: float
+    max_model_len: int = 0  # 0: not stated (the sim's --max-model-len, else 4096)
+
+    @classmethod
+    def from_dict(cls, d: dict, extra: tuple = ()) -> "ModelShape":
+        _only(d, ("kv_bytes_per_token", "max_model_len", "name", *extra), "model.")
+        mml = d.get("max_model_len", 0)
+        if isinstance(mml, bool) or not isinstance(mml, int) or mml < 0:
+            raise ProfileError(f"model.max_model_len: must be an integer >= 1, got {mml!r}"[:120])
+        return cls(_number(d, "kv_bytes_per_token", "model.", positive=True), mml)
+
+
+@dataclass(frozen=True)
+class LinearProfile:
+    model: ModelShape
+    base_s: dict
+    per_token_s: float
+    per_row_s: float
+    per_context_token_s: float
+    raw: dict  # the JSON as loaded (written back unchanged into results)
+
+    def step_time(self, s: StepShape) -> float:
+        return (self.base_s[s.mode] + self.per_token_s * s.padded_tokens + self.per_row_s * s.num_reqs
+                + self.per_context_token_s * s.context_tokens)
+
+
+@dataclass(frozen=True)
+class RooflineProfile:
+    model: ModelShape
+    weight_bytes: float
+    flops_per_token: float
+    attention_flops_per_pair: float
+    bandwidth: float  # bytes/s
+    peak_flops: float  # FLOP/s
+    overhead_s: dict
+    raw: dict
+
+    def step_time(self, s: StepShape) -> float:
+        bytes_moved = self.weight_bytes + self.model.kv_bytes_per_token * s.context_tokens
+        flops = self.flops_per_token * s.padded_tokens + self.attention_flops_per_pair * s.attention_pairs
+        return self.overhead_s[s.mode] + max(bytes_moved / self.bandwidth, flops / self.peak_flops)
+
+
+Profile = Union[LinearProfile, RooflineProfile]
+
+
+def profile_from_dict(d: dict) -> Profile:
+    if not isinstance(d, dict):
+        raise ProfileError(f"a profile is a JSON object, got {type(d).__name__}")
+    kind = d.get("type")
+    if kind == "linear":
+        _only(d, ("type", "name", "device", "model", "coefficients", "fit"), "")
+        c = _section(d, "coefficients")
+        _only(c, ("base_s", "per_token_s", "per_row_s", "per_context_token_s"), "coefficients.")
+        return LinearProfile(ModelShape.from_dict(_section(d, "model")), _base(c),
+                             _number(c, "per_token_s", "coefficients."), _number(c, "per_row_s", "coefficients."),
+                             _number(c, "per_context_token_s", "coefficients."), d)
+    if kind == "roofline":
+        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s"), "")
+        m = _section(d, "model")
+        g = _section(d, "gpu")
+        _only(g, ("name", "memory_bandwidth_gb_s", "peak_tflops"), "gpu.")
+        return RooflineProfile(ModelShape.from_dict(m, ("weight_bytes", "flops_per_token", "attention_flops_per_pair")),
+                               _number(m, "weight_bytes", "model.", positive=True),
+                               _number(m, "flops_per_token", "model.", positive=True),
+                               _number(m, "attention_flops_per_pair", "model.") if "attention_flops_per_pair" in m
+                               else 0.0,
+                               _number(g, "memory_bandwidth_gb_s", "gpu.", positive=True) * 1e9,
+                               _number(g, "peak_tflops", "gpu.", positive=True) * 1e12,
+                               _per_mode(d, "step_overhead_s"), d)
+    raise ProfileError(f"type: must be 'linear' or 'roofline', got {kind!r}"[:120] if "type" in d else "type: missing")
+
+
+def _base(c: dict) -> dict[str, float]:
+    sec = _section(c, "base_s", "coefficients.")
+    _only(sec, MODES, "coefficients.base_s.")
+    return {m: _number(sec, m, "coefficients.base_s.") for m in MODES}
+
+
+def load_profile(path: Union[str, Path]) -> Profile:
+    """The profile in `path`; ProfileError (a ValueError) naming the file and the bad field."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ProfileError(f"--profile {path}: {e.strerror or e}") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"--profile {path}: not JSON ({e})") from None
+    try:
+        return profile_from_dict(d)
+    except ProfileError as e:
+        raise ProfileError(f"--profile {path}: {e}") from None

@@ -1,4 +1,4 @@
-"""`pdserve` command line: make-model | generate | serve | router | bench serve | bench pd."""
+"""`pdserve` command line: make-model | generate | serve | router | bench serve | bench pd | sim | sim calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -172,6 +172,28 @@ def cmd_bench(args) -> int:
         return 1
 
 
+def _sim_parser(sub) -> None:
+    from pdserve.sim.cli import add_calibrate_args, add_sim_args
+    p = sub.add_parser("sim", help="Simulate a deployment (collocated or xPyD) over a trace with pdserve's own "
+                                   "scheduler; `sim calibrate` fits a step-time profile.",
+                       description="Discrete-event simulation: every node runs pdserve's own Scheduler, KV cache "
+                                   "manager, block pool and graph dispatcher, the router's own pick policy in front; "
+                                   "only the forward is a step-time profile and the KV transfer a bytes/bandwidth + "
+                                   "latency model. Writes what `bench pd` writes (docs/sim.md).")
+    add_sim_args(p)
+    sim = p.add_subparsers(dest="sim_command", metavar="{calibrate}")
+    add_calibrate_args(sim.add_parser(
+        "calibrate", help="Measure this machine's engine on a model and fit a linear step-time profile.",
+        description="Run the engine (graphs and eager) over a grid of batch sizes and prompt lengths, time every "
+                    "step, and fit step time = base[mode] + a x padded tokens + b x rows + c x context tokens "
+                    "by least squares; write the profile JSON."))
+
+
+def cmd_sim(args) -> int:
+    from pdserve.sim.cli import run_calibrate, run_sim
+    return run_calibrate(args) if args.sim_command == "calibrate" else run_sim(args)
+
+
 def cmd_make_model(args) -> int:
     from pdserve.model.make_model import default_model_dir, is_complete, make_model
     if args.out is not None and not args.out.strip():
@@ -221,13 +243,15 @@ def main(argv=None) -> int:
     _serve_parser(sub)
     _router_parser(sub)
     _bench_parser(sub)
+    _sim_parser(sub)
     args = parser.parse_args(argv)
     handlers = {"make-model": cmd_make_model, "generate": cmd_generate, "serve": cmd_serve, "router": cmd_router,
-                "bench": cmd_bench}
+                "bench": cmd_bench, "sim": cmd_sim}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        name = args.command + (f" {args.bench_command}" if args.command == "bench" else "")
+        name = args.command + (f" {args.bench_command}" if args.command == "bench" else
+                               " calibrate" if getattr(args, "sim_command", None) == "calibrate" else "")
         parser.exit(2, f"pdserve {name}: error: {e}\n")
     except KeyboardInterrupt:
         return 130

@@ -1,0 +1,140 @@
+"""`pdserve sim calibrate`: measure this machine's engine and fit a linear step-time profile.
+
+For each graph setting the device allows (graphs: FULL decode steps and PIECEWISE mixed ones; eager: NONE), a real
+`LLMEngine` runs a grid of batches, `rows` requests of `context` prompt tokens decoding `decode_steps` tokens each:
+their prefill steps sample the token dimension, their decode steps the row and context dimensions. Every
+`engine.step()` is timed whole (scheduling and output processing included: the simulator adds nothing on top) with
+its shape read from the scheduler's output and the dispatcher's choice, and the linear profile (profile.py) is
+fitted by least squares on relative error with coefficients kept >= 0 (fit()).
+On CPU the modes differ only in what runs eagerly around the same callables (docs/graphs.md): the fitted bases are
+this machine's, not graph speedups.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from pdserve.sim.node import _shape
+from pdserve.sim.profile import MODES, StepShape, profile_from_dict
+from pdserve.sim.trace import TraceRequest, prompt_token_ids
+
+FEATURES = ("per_token_s", "per_row_s", "per_context_token_s")
+
+
+def _features(s: StepShape) -> list[float]:
+    return [1.0 if s.mode == m else 0.0 for m in MODES] + [s.padded_tokens, s.num_reqs, s.context_tokens]
+
+
+def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int, eager: bool,
+            engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None
+            ) -> tuple[list[tuple[StepShape, float]], dict]:
+    """(shape, seconds) of every step of the grid on one engine; and the model facts a profile records."""
+    from pdserve.config import EngineConfig
+    from pdserve.core.engine import LLMEngine
+    from pdserve.model.loader import model_dims
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.worker.model_runner import kv_bytes_per_block
+    # capture sizes up to the largest prefill step of the grid, so mixed steps ride PIECEWISE where graphs are on
+    kw = dict(max_num_seqs=max(rows), max_model_len=max(contexts) + decode_steps + 1, device="cpu",
+              enforce_eager=eager, max_cudagraph_capture_size=min(512, max(rows) * max(contexts)))
+    kw.update(engine_kwargs or {})
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **kw))
+    vocab = engine.vocab_size
+    seen: list = []
+    schedule, choose = engine.scheduler.schedule, engine.runner.choose_graph
+
+    def spy_schedule():
+        seen.append([schedule(), None])
+        return seen[-1][0]
+
+    def spy_choose(step_rows):
+        seen[-1][1] = choose(step_rows)
+        return seen[-1][1]
+    engine.scheduler.schedule, engine.runner.choose_graph = spy_schedule, spy_choose
+    samples: list[tuple[StepShape, float]] = []
+    n = 0
+    grid = [(0, 0)] + [(r, c) for r in rows for c in contexts]  # (0, 0): a warm-up batch, not kept
+    for r, c in grid:
+        for i in range(max(r, 1)):
+            tr = TraceRequest(f"cal-{n}", 0.0, c or 8, decode_steps)
+            n += 1
+            engine.add_request(prompt_token_ids(tr, vocab, seed=1), SamplingParams(
+                max_tokens=decode_steps, ignore_eos=True, temperature=0), request_id=tr.request_id)
+        while engine.has_unfinished_requests():
+            seen.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            if r and seen and seen[-1][0].rows and seen[-1][1] is not None:
+                out, (mode, desc, _, num_tokens) = seen[-1]
+                samples.append((_shape(out, mode.value, desc.num_tokens, num_tokens), dt))
+        if progress is not None and r:
+            progress(f"{'eager' if eager else 'graphs'}: {r} rows x {c} tokens, {len(samples)} steps so far")
+    # the model's context, not the grid's: a profile serves any run of this model
+    facts = {"max_model_len": min(engine.hf_config.get("max_position_embeddings", 4096), 4096),
+             "device": engine.device.type,
+             "kv_bytes_per_token": kv_bytes_per_block(model_dims(engine.hf_config, engine.max_model_len), 1,
+                                                      engine.dtype)}
+    engine.shutdown()
+    return samples, facts
+
+
+def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a column that fits negative is dropped (the most negative first)
+    and the rest refitted; columns that are all zero (a mode never measured) stay 0."""
+    active = [j for j in range(X.shape[1]) if X[:, j].any()]
+    coef = np.zeros(X.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        del active[int(np.argmin(sol))]
+    return coef
+
+
+def fit(samples: list[tuple[StepShape, float]]) -> tuple[dict, dict]:
+    """(coefficients, fit report). Relative error is what is minimized (each step weighted by 1 / its time): steps
+    range over two orders of magnitude, and on a shared machine a step now and then takes several times its due
+    (another process had the core); such a step's relative residual is bounded near -1, so it barely moves the fit,
+    where in plain least squares it would pull every coefficient up."""
+    if len(samples) < 4:
+        raise ValueError(f"{len(samples)} measured steps are too few to fit a profile: widen the grid")
+    X = np.array([_features(s) for s, _ in samples])
+    y = np.array([t for _, t in samples])
+    coef = _nonneg_lstsq(X / y[:, None], np.ones_like(y))
+    rel = np.abs(X @ coef - y) / y
+    seen_modes = {s.mode for s, _ in samples}
+    base = {m: float(coef[i]) for i, m in enumerate(MODES)}
+    missing = [m for m in MODES if m not in seen_modes]
+    for m in missing:  # no step of that mode ran here: it costs what an eager step does
+        base[m] = base["NONE"] if "NONE" in seen_modes else max(base.values())
+    report = {"samples": len(samples), "median_rel_error": float(np.median(rel)),
+              "p90_rel_error": float(np.percentile(rel, 90)),
+              "steps_by_mode": {m: sum(1 for s, _ in samples if s.mode == m) for m in MODES},
+              "modes_not_measured": missing}
+    coefs = {"base_s": base, **{k: float(coef[3 + i]) for i, k in enumerate(FEATURES)}}
+    return coefs, report
+
+
+def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: int, name: Optional[str] = None,
+              engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None) -> dict:
+    """The linear profile of `model` on this machine, as a JSON-ready dict (checked by profile_from_dict)."""
+    if not rows or min(rows) < 1 or not contexts or min(contexts) < 1 or decode_steps < 2:
+        raise ValueError("--rows and --context-lens need positive integers, --decode-steps >= 2")
+    samples, facts = [], {}
+    for eager in (False, True):
+        got, facts = measure(model, rows, contexts, decode_steps, eager, engine_kwargs, progress)
+        samples += got
+    coefs, report = fit(samples)
+    report.update(rows=rows, context_lens=contexts, decode_steps=decode_steps,
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    d = {"type": "linear", "name": name or Path(model).name, "device": facts["device"],
+         "model": {"name": Path(model).name, "kv_bytes_per_token": facts["kv_bytes_per_token"],
+                   "max_model_len": facts["max_model_len"]},
+         "coefficients": coefs, "fit": report}
+    profile_from_dict(d)  # what we write must load
+    return d

@@ -1,0 +1,151 @@
+"""The discrete-event loop: arrivals, node steps and KV transfers on one clock, the router's pick in front.
+
+Deployments:
+- collocated (N nodes): each request goes to a node the router's pool picks (`Pool.pick`, round-robin or
+  least-loaded on in-flight counts, router/nodes.py) and runs there whole;
+- xPyD: as pdserve's router (router/app.py): a P picked the same way prefills the request with `max_tokens=1` and
+  `kv_transfer_params={"do_remote_decode": true}`; when P's step that finishes it ends, a D picked for it gets the
+  original request with P's params, loads the KV through the scheduler's P/D half (core/kv_transfers.py) over the
+  transfer-time model, and replays the last prompt token. A one-token prompt skips P, as the router's token-id
+  prompts do.
+
+A node steps whenever it has work and is not busy: a step scheduled at t runs the scheduler at t and ends at
+t + the profile's step time; its tokens reach the client at the step's end (the network is not modelled), and
+requests that arrive meanwhile are added before its next schedule, as the engine loop's inbox is read between
+steps. A node with nothing to run but loads in flight sleeps until the first load ends.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pdserve.bench.metrics import RequestResult
+from pdserve.router.nodes import Node as RouterNode
+from pdserve.router.nodes import Pool
+from pdserve.sim.connector import Fabric
+from pdserve.sim.node import SimNode, StepRecord
+from pdserve.sim.trace import TraceRequest
+
+
+@dataclass
+class ClientView:
+    """One trace request as the benchmark client sees it."""
+    trace: TraceRequest
+    prompt: list[int]
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each streamed chunk
+    finished: Optional[float] = None
+    error: str = ""
+
+    def result(self) -> RequestResult:
+        t0 = self.trace.arrival_time
+        if self.error or self.finished is None or not self.chunks:
+            return RequestResult(False, self.trace.prompt_len, 0, error=self.error or "not finished", start=t0)
+        times = [t for t, _ in self.chunks]
+        return RequestResult(True, self.trace.prompt_len, sum(n for _, n in self.chunks), times[0] - t0,
+                             [b - a for a, b in zip(times, times[1:])], times[-1] - t0, start=t0)
+
+
+class Simulator:
+    def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
+                 fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None):
+        """`prefill` empty: a collocated deployment of the `decode` nodes."""
+        self.prefill_nodes, self.decode_nodes, self.fabric, self.on_step = prefill, decode, fabric, on_step
+        self.pd = bool(prefill)
+        self.p_pool = Pool([RouterNode(n.name) for n in prefill], policy)
+        self.d_pool = Pool([RouterNode(n.name) for n in decode], policy)
+        self.by_name = {n.name: n for n in prefill + decode}
+        self.router_node = {rn.url: rn for rn in self.p_pool.nodes + self.d_pool.nodes}
+        self.events: list = []
+        self._seq = itertools.count()
+        self.wake_at: dict[str, float] = {}
+        self.clients: dict[str, ClientView] = {}
+        self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
+        self.now = 0.0
+
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self.events, (t, next(self._seq), kind, payload))
+
+    def _wake(self, node: SimNode, t: float) -> None:
+        pending = self.wake_at.get(node.name)
+        if pending is not None and pending <= t:
+            return
+        self.wake_at[node.name] = t
+        self._push(t, "wake", node.name)
+
+    def run(self, trace: list[TraceRequest], prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
+        """(per-request results in trace order, duration: from 0 to the last request's end)."""
+        views = [ClientView(r, p) for r, p in zip(trace, prompts)]
+        for v in views:
+            self.clients[v.trace.request_id] = v
+            self._push(v.trace.arrival_time, "arrive", v)
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            self.now = t
+            if kind == "arrive":
+                self._arrive(payload, t)
+            elif kind == "wake":
+                if self.wake_at.get(payload) != t:
+                    continue  # superseded by an earlier wake
+                del self.wake_at[payload]
+                self._run_node(self.by_name[payload], t)
+            elif kind == "prefilled":
+                self._to_decode(*payload, t)
+        end = max((v.finished or v.trace.arrival_time for v in views), default=0.0)
+        return [v.result() for v in views], end
+
+    def _submit(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
+        rn = pool.pick()
+        node = self.by_name[rn.url]
+        try:
+            req = node.make_request(view.trace.request_id, view.prompt, output_len, t, params)
+        except ValueError as e:  # the node's 400: the client's request fails, as in bench serve
+            view.error = str(e)
+            return
+        rn.in_flight += 1
+        self.owner[(node.name, req.request_id)] = view
+        node.add(req)
+        self._wake(node, t)
+
+    def _arrive(self, view: ClientView, t: float) -> None:
+        if self.pd and view.trace.prompt_len > 1:
+            self._submit(self.p_pool, view, t, 1, {"do_remote_decode": True})
+        else:
+            self._submit(self.d_pool, view, t, view.trace.output_len, None)
+
+    def _to_decode(self, view: ClientView, params: Optional[dict], t: float) -> None:
+        self._submit(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
+
+    def _run_node(self, node: SimNode, t: float) -> None:
+        if node.busy_until > t:
+            self._wake(node, node.busy_until)
+            return
+        rec = node.step(t)
+        if self.fabric is not None:  # leases D just finished reading: their P frees the blocks on its next poll
+            for p in self.prefill_nodes:
+                if p.connector.released:
+                    self._wake(p, t)
+        if rec is None:
+            nxt = node.next_transfer_event()
+            if nxt is not None:
+                self._wake(node, nxt)
+            return
+        if self.on_step is not None:
+            self.on_step(node, rec)
+        is_p = node in self.prefill_nodes
+        for req, n in rec.emitted:
+            view = self.owner.get((node.name, req.request_id))
+            if view is None:
+                continue
+            if not is_p:
+                view.chunks.append((rec.end, n))
+            if req.is_finished:
+                del self.owner[(node.name, req.request_id)]
+                self.router_node[node.name].in_flight -= 1
+                if is_p:
+                    self._push(rec.end, "prefilled", (view, req.kv_transfer_params_out))
+                else:
+                    view.finished = rec.end
+        if node.has_work():
+            self._wake(node, rec.end)

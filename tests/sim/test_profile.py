@@ -1,0 +1,128 @@
+"""Step-time profiles: both types load and compute what their formula says; bad fields are refused by name; the
+calibration's fit recovers known coefficients and a tiny real calibration writes a profile that loads."""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+
+import pytest
+
+from pdserve.sim.calibrate import calibrate, fit
+from pdserve.sim.profile import ProfileError, StepShape, load_profile, profile_from_dict
+
+from tests.sim.conftest import LINEAR
+
+ROOFLINE = {"type": "roofline", "device": "cuda", "gpu": {"name": "H100", "memory_bandwidth_gb_s": 3350,
+                                                          "peak_tflops": 989},
+            "model": {"kv_bytes_per_token": 114688, "weight_bytes": 1.2e9, "flops_per_token": 1.2e9,
+                      "attention_flops_per_pair": 114688},
+            "step_overhead_s": {"FULL": 2e-5, "PIECEWISE": 4e-4, "NONE": 1.5e-3}}
+
+
+def test_linear_profile_is_its_formula():
+    p = profile_from_dict(LINEAR)
+    s = StepShape("PIECEWISE", num_tokens=10, padded_tokens=16, num_reqs=3, context_tokens=500, attention_pairs=0)
+    assert p.step_time(s) == pytest.approx(0.002 + 16e-5 + 3e-5 + 500e-7)
+
+
+def test_roofline_profile_is_memory_or_compute_bound():
+    p = profile_from_dict(ROOFLINE)
+    decode = StepShape("FULL", 8, 8, 8, 8 * 1000, 8 * 1000)
+    # a decode step reads the weights and the KV: memory-bound
+    assert p.step_time(decode) == pytest.approx(2e-5 + (1.2e9 + 114688 * 8000) / 3350e9)
+    prefill = StepShape("NONE", 8192, 8192, 1, 8192, 8192 * 8193 // 2)
+    flops = 1.2e9 * 8192 + 114688 * (8192 * 8193 // 2)
+    assert p.step_time(prefill) == pytest.approx(1.5e-3 + flops / 989e12)
+    assert flops / 989e12 > (1.2e9 + 114688 * 8192) / 3350e9  # compute-bound indeed
+
+
+def _set(d: dict, path: str, value) -> dict:
+    d = copy.deepcopy(d)
+    cur = d
+    *head, last = path.split(".")
+    for k in head:
+        cur = cur[k]
+    cur[last] = value
+    return d
+
+
+@pytest.mark.parametrize("base,path,value,named", [
+    (LINEAR, "coefficients.per_token_s", -1.0, "coefficients.per_token_s"),
+    (LINEAR, "coefficients.per_row_s", "fast", "coefficients.per_row_s"),
+    (LINEAR, "coefficients.base_s.FULL", float("nan"), "coefficients.base_s.FULL"),
+    (LINEAR, "coefficients.base_s.EAGER", 0.1, "coefficients.base_s.EAGER"),
+    (LINEAR, "coefficients.per_tokn_s", 0.1, "coefficients.per_tokn_s"),
+    (LINEAR, "model.kv_bytes_per_token", 0, "model.kv_bytes_per_token"),
+    (LINEAR, "model.max_model_len", 1.5, "model.max_model_len"),
+    (LINEAR, "type", "quadratic", "type"),
+    (LINEAR, "coefficient", {}, "coefficient"),
+    (ROOFLINE, "gpu.memory_bandwidth_gb_s", 0, "gpu.memory_bandwidth_gb_s"),
+    (ROOFLINE, "gpu.peak_tflop", 1, "gpu.peak_tflop"),
+    (ROOFLINE, "step_overhead_s", [1, 2, 3], "step_overhead_s"),
+    (ROOFLINE, "model.weight_bytes", True, "model.weight_bytes"),
+])
+def test_bad_fields_are_refused_by_name(base, path, value, named):
+    with pytest.raises(ProfileError, match=r"(^|\s)" + re.escape(named) + ":"):
+        profile_from_dict(_set(base, path, value))
+
+
+@pytest.mark.parametrize("base,path", [(LINEAR, "coefficients.per_context_token_s"), (LINEAR, "model"),
+                                       (LINEAR, "coefficients.base_s.NONE"), (ROOFLINE, "model.flops_per_token"),
+                                       (ROOFLINE, "gpu")])
+def test_missing_fields_are_named(base, path):
+    d = copy.deepcopy(base)
+    cur = d
+    *head, last = path.split(".")
+    for k in head:
+        cur = cur[k]
+    del cur[last]
+    with pytest.raises(ProfileError, match=re.escape(path) + ": missing"):
+        profile_from_dict(d)
+
+
+def test_load_profile_names_the_file(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text("{not json")
+    with pytest.raises(ProfileError, match=r"--profile .*p\.json: not JSON"):
+        load_profile(f)
+    f.write_text(json.dumps(_set(LINEAR, "coefficients.per_row_s", -2)))
+    with pytest.raises(ProfileError, match=r"p\.json: coefficients\.per_row_s: must be a number >= 0"):
+        load_profile(f)
+    with pytest.raises(ProfileError, match="No such file"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_fit_recovers_known_coefficients_despite_outliers():
+    true = profile_from_dict(_set(LINEAR, "coefficients.base_s", {"FULL": 0.0005, "PIECEWISE": 0.003,
+                                                                  "NONE": 0.004}))
+    rng = random.Random(0)
+    samples = []
+    for _ in range(300):
+        mode = rng.choice(("FULL", "PIECEWISE", "NONE"))
+        s = StepShape(mode, 0, rng.randint(1, 512), rng.randint(1, 64), rng.randint(1, 20000), 0)
+        t = true.step_time(s) * rng.uniform(0.98, 1.02)
+        samples.append((s, t * 10 if rng.random() < 0.1 else t))  # another process took the core now and then
+    coefs, report = fit(samples)
+    assert coefs["base_s"] == pytest.approx(true.base_s, rel=0.05)
+    for k in ("per_token_s", "per_row_s", "per_context_token_s"):
+        assert coefs[k] == pytest.approx(getattr(true, k), rel=0.05), k
+    assert report["median_rel_error"] < 0.02 and report["modes_not_measured"] == []
+
+
+def test_fit_keeps_coefficients_non_negative():
+    samples = [(StepShape("NONE", 0, n, 1, 0, 0), 0.01 - 1e-6 * n) for n in range(1, 50)]  # time falls with tokens
+    coefs, report = fit(samples)
+    assert all(v >= 0 for v in coefs["base_s"].values()) and coefs["per_token_s"] == 0.0
+    assert report["modes_not_measured"] == ["FULL", "PIECEWISE"]
+
+
+@pytest.mark.timeout(120)
+def test_a_tiny_calibration_writes_a_profile_that_loads(qwen3_tiny_dir):
+    d = calibrate(qwen3_tiny_dir, rows=[1, 2], contexts=[8, 24], decode_steps=3)
+    p = profile_from_dict(json.loads(json.dumps(d)))
+    assert d["model"]["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads of 64, float32
+    assert set(d["fit"]["steps_by_mode"]) == {"FULL", "PIECEWISE", "NONE"}
+    assert d["fit"]["steps_by_mode"]["FULL"] > 0 and d["fit"]["steps_by_mode"]["NONE"] > 0
+    assert p.step_time(StepShape("FULL", 1, 1, 1, 10, 10)) > 0

@@ -1,0 +1,113 @@
+"""Simulated deployments end to end: every request runs to its trace's output length, time behaves (TTFT includes the
+KV transfer, a busier node is slower), P's leases end and both block pools are whole, the full-graph rule shows
+the seed's before/after on D, and the router's policy spreads requests as its own code does."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.sim.connector import TransferModel
+from pdserve.sim.run import parse_deployment, simulate
+from pdserve.sim.trace import TraceRequest, random_trace
+
+FAST = TransferModel(1e12, 0.0)
+
+
+def cfg(**kw) -> EngineConfig:
+    return EngineConfig.from_kwargs("sim", **{"max_num_seqs": 16, "max_model_len": 1024, **kw})
+
+
+def test_collocated_runs_every_request_to_its_length(linear_profile):
+    trace = random_trace(40, 100, 20, request_rate=20.0, range_ratio=0.5, seed=1)
+    r = simulate(trace, parse_deployment("collocated"), cfg(), linear_profile)
+    assert r["completed"] == 40 and r["failed"] == 0
+    assert r["output_lens"] == [t.output_len for t in trace]
+    assert r["input_lens"] == [t.prompt_len for t in trace]
+    assert all(ttft > 0 for ttft in r["ttfts"]) and all(lat >= ttft for lat, ttft in zip(r["latencies"], r["ttfts"]))
+    assert r["start_times"] == [t.arrival_time for t in trace]
+    g = r["graph"]
+    assert g["full_steps"] > 0 and g["non_full_reasons"].get("prefill", 0) > 0
+
+
+def test_a_node_under_load_is_slower(linear_profile):
+    slow, fast = (simulate(random_trace(60, 200, 30, rate, seed=2), parse_deployment("collocated"), cfg(),
+                           linear_profile) for rate in (200.0, 1.0))
+    assert slow["tpot_ms"]["mean"] > fast["tpot_ms"]["mean"]
+    assert slow["ttft_ms"]["median"] > fast["ttft_ms"]["median"]
+
+
+def test_a_request_too_long_for_the_context_fails_as_the_engine_refuses_it(linear_profile):
+    trace = [TraceRequest("ok", 0.0, 100, 10), TraceRequest("long", 0.0, 1000, 100)]
+    r = simulate(trace, parse_deployment("collocated"), cfg(), linear_profile)
+    assert r["completed"] == 1 and r["errors"] == ["", "prompt (1000 tokens) plus max_tokens (100) exceeds "
+                                                       "max_model_len (1024)"]
+
+
+def test_pd_ttft_includes_the_kv_transfer(linear_profile):
+    trace = [TraceRequest("a", 0.0, 512, 4)]
+    quick, slow = (simulate(trace, parse_deployment("1p1d"), cfg(), linear_profile,
+                            transfer=TransferModel(1e9, latency)) for latency in (0.0, 0.5))
+    assert slow["ttfts"][0] - quick["ttfts"][0] == pytest.approx(0.5)
+    # bytes on the wire: the n - 1 = 511 loaded tokens in whole blocks
+    assert slow["sim"]["kv_bytes_transferred"] == 32 * 16 * linear_profile.model.kv_bytes_per_token
+    # D's first step is the one-token replay over the imported KV: decode-shaped, FULL under the default rule
+    assert slow["graph"] == {**slow["graph"], "non_full_steps": 0}
+
+
+def test_pd_leases_end_and_pools_are_whole(linear_profile):
+    from pdserve.sim.run import build_nodes
+    from pdserve.sim.simulator import Simulator
+    from pdserve.sim.trace import prompt_token_ids
+    trace = random_trace(30, 150, 10, request_rate=50.0, seed=3)
+    config = cfg(num_gpu_blocks_override=80)  # tight on both sides: loads wait for blocks, P's leases pile up
+    prefill, decode, fabric = build_nodes(parse_deployment("1p1d"), config, linear_profile,
+                                          TransferModel(1e8, 0.002), 0.0, 0)
+    sim = Simulator(prefill, decode, "round-robin", fabric)
+    results, _ = sim.run(trace, [prompt_token_ids(t, 32000) for t in trace])
+    assert all(r.success for r in results)
+    for node in prefill + decode:
+        node.scheduler.check_invariants()
+        assert not node.scheduler.requests and not node.scheduler.transfers.leased
+        assert node.kv.num_free_blocks() == node.kv.pool.num_blocks - 1, node.name  # all but the null block
+    assert prefill[0].connector.open_leases == 0
+
+
+def test_the_rule_decides_ds_graph_share(linear_profile):
+    """The seed's experiment in the simulator: under `strict` every replay arrival takes D off FULL graphs."""
+    trace = random_trace(50, 200, 40, request_rate=10.0, seed=4)
+    share = {rule: simulate(trace, parse_deployment("1p1d"), cfg(full_graph_rule=rule), linear_profile,
+                            transfer=FAST)["graph"] for rule in ("strict", "prompt-tail", "decode-shaped")}
+    assert share["strict"]["non_full_steps"] >= 40 and set(share["strict"]["non_full_reasons"]) == {"prefill"}
+    assert share["prompt-tail"]["non_full_steps"] == share["decode-shaped"]["non_full_steps"] == 0
+
+
+def test_collocated_nodes_share_the_load_by_the_routers_policy(linear_profile):
+    trace = random_trace(40, 64, 8, request_rate=100.0, seed=5)
+    r = simulate(trace, parse_deployment("collocated", nodes=4), cfg(), linear_profile, policy="round-robin")
+    steps = [n["steps"] for n in r["sim"]["nodes"]]
+    assert len(steps) == 4 and all(s > 0 for s in steps) and r["completed"] == 40
+
+
+def test_speculative_decoding_emits_accepted_drafts(linear_profile):
+    """The scheduler's own draft bookkeeping: drafts from the n-gram proposer over the request's tokens, accepted
+    ones emitted with the bonus, the stop checks applied token by token. Token ids from a two-id vocabulary, so
+    lookups find drafts (random ids over a real vocabulary rarely repeat: see docs/sim.md)."""
+    from pdserve.sim.node import SimNode
+    from pdserve.spec_decode.config import SpeculativeConfig
+    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                                       '"prompt_lookup_max": 2}')
+    node = SimNode("n", cfg(speculative_config=spec), linear_profile, 1024, 200, spec_acceptance=1.0, vocab_size=12)
+    reqs = [node.make_request(f"r{i}", [10, 11] * 20, 25, 0.0) for i in range(3)]
+    for r in reqs:
+        node.add(r)
+    t, chunks = 0.0, 0
+    while node.has_work():
+        rec = node.step(t)
+        t = rec.end
+        chunks += len(rec.emitted)
+    c = node.spec_counts
+    assert all(r.num_output_tokens == 25 and r.is_finished for r in reqs)
+    assert c["num_draft_tokens"] > 0 and c["num_accepted_tokens"] > 0
+    assert chunks < 3 * 25  # steps that emitted several tokens at once
+    node.scheduler.check_invariants()
+    assert node.kv.num_free_blocks() == 199

@@ -1,7 +1,10 @@
 """The simulator's scheduler IS the engine's: the same objects (no copy), and on a recorded trace the same sequence
 of scheduled batches (request ids, context and token counts per row, preemptions) and the same graph labels as a
-real engine running the tiny model. Arrivals are keyed by step, so wall time plays no part."""
+real engine running the tiny model, collocated and as a P/D decode node (loads parked, blocked for blocks, replayed).
+Arrivals are keyed by step, so wall time plays no part."""
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 
@@ -10,6 +13,7 @@ from pdserve.core.block_pool import BlockPool
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
+from pdserve.sim.connector import Fabric, SimConnector, TransferModel
 from pdserve.sim.node import SimNode
 from pdserve.sim.trace import TraceRequest, prompt_token_ids
 
@@ -37,10 +41,31 @@ def _record(out, graph) -> tuple:
     return rows, tuple(r.request_id for r in out.preempted), mode, reason
 
 
-def run_engine(model: str, trace) -> list[tuple]:
+def _consumer() -> SimConnector:
+    """A decode node's connector whose loads take 2 steps plus a step per 4 blocks (the clock counts steps)."""
+    return SimConnector("kv_consumer", "d0", Fabric(TransferModel(64.0, 2.0), 1.0, 16), 16)
+
+
+def _params(r: TraceRequest) -> Optional[dict]:
+    """P's params, as the router hands them to D; none for a one-token prompt (the router sends it to D alone)."""
+    return {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": r.request_id} \
+        if r.prompt_len > 1 else None
+
+
+def run_engine(model: str, trace, consumer: bool = False) -> list[tuple]:
     from pdserve.core.engine import LLMEngine
+    from pdserve.core.output_processor import OutputProcessor
+    from pdserve.request import Request
     from pdserve.sampling_params import SamplingParams
     engine = LLMEngine(EngineConfig.from_kwargs(model, **ENGINE))
+    conn = None
+    if consumer:  # the engine as a decode node over the simulated connector (no KV is written: only the
+        # schedule is compared, and it never reads the KV)
+        conn = engine.connector = _consumer()
+        engine.scheduler = Scheduler(engine.config.scheduler, engine.kv, engine.max_model_len, None,
+                                     KVTransfers(engine.kv, conn))
+        engine.output_processor = OutputProcessor(engine.tokenizer, engine.scheduler.finish_request)
+        engine.runner.is_pd_consumer = True
     steps, graphs = [], []
     schedule, choose = engine.scheduler.schedule, engine.runner.choose_graph
 
@@ -56,17 +81,24 @@ def run_engine(model: str, trace) -> list[tuple]:
     k = 0
     while k <= trace[-1][0] or engine.has_unfinished_requests():
         for _, r in (x for x in trace if x[0] == k):
-            engine.add_request(prompt_token_ids(r, VOCAB), SamplingParams(max_tokens=r.output_len, ignore_eos=True,
-                                                                          temperature=0), request_id=r.request_id)
+            sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0)
+            if consumer:  # checked params, as make_request leaves them (the gateway's proof is not what is tested)
+                engine.add(Request(r.request_id, prompt_token_ids(r, VOCAB), sp, engine.eos_token_ids,
+                                   max_tokens=r.output_len, kv_transfer_params=_params(r)))
+            else:
+                engine.add_request(prompt_token_ids(r, VOCAB), sp, request_id=r.request_id)
+        if conn is not None:
+            conn.now = float(k)
         engine.step()
         engine.check_invariants()
         k += 1
     return [_record(out, g) for out, g in zip(steps, graphs) if out.rows or out.preempted]
 
 
-def run_sim(trace, profile) -> list[tuple]:
+def run_sim(trace, profile, consumer: bool = False) -> list[tuple]:
     config = EngineConfig.from_kwargs("sim", **ENGINE)
-    node = SimNode("n0", config, profile, 192, ENGINE["num_gpu_blocks_override"], vocab_size=VOCAB)
+    node = SimNode("n0", config, profile, 192, ENGINE["num_gpu_blocks_override"], _consumer() if consumer else None,
+                   vocab_size=VOCAB)
     got = []
     schedule = node.scheduler.schedule
 
@@ -77,7 +109,8 @@ def run_sim(trace, profile) -> list[tuple]:
     k = 0
     while k <= trace[-1][0] or node.has_work():
         for _, r in (x for x in trace if x[0] == k):
-            node.add(node.make_request(r.request_id, prompt_token_ids(r, VOCAB), r.output_len, 0.0))
+            node.add(node.make_request(r.request_id, prompt_token_ids(r, VOCAB), r.output_len, 0.0,
+                                       _params(r) if consumer else None))
         rec = node.step(float(k))
         if rec is not None:
             got[-1][1] = rec
@@ -109,6 +142,19 @@ def test_recorded_trace_schedules_the_same_batches(qwen3_tiny_dir, linear_profil
     assert any(pre for _, pre, _, _ in real), "the trace no longer preempts: shrink the KV cache"
     assert any(c > 0 and n > 1 for rows, *_ in real for _, c, n in rows), "no chunked prefill"
     assert any(mode == "FULL" for *_, mode, _ in real) and any(mode != "FULL" for *_, mode, _ in real)
+    for i, (a, b) in enumerate(zip(real, sim)):
+        assert a == b, f"step {i} differs:\n engine {a}\n sim    {b}"
+    assert len(real) == len(sim)
+
+
+@pytest.mark.timeout(300)
+def test_recorded_trace_on_a_decode_node_schedules_the_same_batches(qwen3_tiny_dir, linear_profile):
+    real = run_engine(qwen3_tiny_dir, TRACE, consumer=True)
+    sim = run_sim(TRACE, linear_profile, consumer=True)
+    replays = [row for rows, *_ in real for row in rows if row[1] > 0 and row[2] == 1
+               and row[1] == next(t.prompt_len for _, t in TRACE if t.request_id == row[0]) - 1]
+    assert len(replays) >= len(TRACE) - 1, "loads no longer end in one-token replays"
+    assert any(mode == "FULL" for *_, mode, _ in real)
     for i, (a, b) in enumerate(zip(real, sim)):
         assert a == b, f"step {i} differs:\n engine {a}\n sim    {b}"
     assert len(real) == len(sim)

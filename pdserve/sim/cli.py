@@ -18,7 +18,7 @@ from pdserve.bench.metrics import BenchmarkMetrics, format_metrics
 from pdserve.bench.pd import _row
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import json_safe
-from pdserve.bench.server_metrics import format_share
+from pdserve.bench.server_metrics import format_share, format_ttft_split
 from pdserve.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig, add_dataclass_args
 
 DEFAULT_BANDWIDTH_GB_S = 12.5  # 100 Gb/s Ethernet
@@ -145,6 +145,8 @@ def run_sim(args) -> int:
             print(format_metrics(BenchmarkMetrics(**{f.name: result[f.name] for f in fields(BenchmarkMetrics)}),
                                  title=f"Simulated: {dep.name} @ {rate:g} req/s"))
             print(format_share(result["graph"]))
+            if result["router_ttft_split_ms"]:
+                print(format_ttft_split(result["router_ttft_split_ms"]))
         print(_summary_line(dep.name, rate, result))
     table = format_table(rows)
     print(table)

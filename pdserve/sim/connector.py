@@ -56,6 +56,8 @@ class SimConnector(KVConnector):
         self.queued: list[LoadJob] = []
         self.inflight: list[tuple[float, str, dict]] = []  # heap of (done time, request id, params)
         self.released: set[str] = set()  # P: leases D has finished reading
+        # D: request id -> [load started, load seen done], the engine's kv_load_start/end_time (its TTFT split)
+        self.load_times: dict[str, list[float]] = {}
         self.open_leases = 0
         if role == "kv_producer":
             fabric.producers[engine_id] = self
@@ -94,6 +96,7 @@ class SimConnector(KVConnector):
                 self.fabric.release(job.params)
                 continue
             num_bytes = len(job.dst_blocks) * self.fabric.block_bytes
+            self.load_times[job.request_id] = [self.now, math.nan]
             self.fabric.bytes_moved += num_bytes
             heapq.heappush(self.inflight, (self.now + self.fabric.transfer.seconds(num_bytes), job.request_id,
                                            job.params))
@@ -103,6 +106,7 @@ class SimConnector(KVConnector):
         while self.inflight and self.inflight[0][0] <= self.now:
             _, rid, params = heapq.heappop(self.inflight)
             fin.done_recving.add(rid)
+            self.load_times[rid][1] = self.now  # seen done at this poll, as the engine stamps it
             self.fabric.release(params)
         if self.released:
             fin.done_sending, self.released = self.released, set()

@@ -133,7 +133,7 @@ class SimNode:
                           [r.request_id for r in out.preempted], [(r, r.num_new_tokens) for r in updated])
 
     def _token(self) -> int:
-        return self.rng.randrange(FIRST_TOKEN_ID, self.vocab_size)
+        return FIRST_TOKEN_ID + int(self.rng.random() * (self.vocab_size - FIRST_TOKEN_ID))  # randrange's cost / 3
 
     def _sample(self, out: SchedulerOutput) -> list:
         sampled: list = []

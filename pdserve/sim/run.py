@@ -94,7 +94,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "model_id": profile.raw.get("name", "sim"), "model": profile.raw.get("name", "sim"), "tokenizer_id": None,
         "num_prompts": len(trace), "max_concurrency": None, "seed": seed, "ignore_eos": True, "temperature": 0.0,
         "warmup": 0, "goodput_slos_ms": {}, **metrics.to_dict(), **metrics.vllm_keys(), "graph": graph,
-        "router_ttft_split_ms": None, "send_lag_ms": summarize([0.0] * len(results)),  # a simulated client keeps up
+        "router_ttft_split_ms": sim.ttft_split_ms(),
+        "send_lag_ms": summarize([0.0] * len(results)),  # a simulated client sends on time
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
         "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],

@@ -37,6 +37,28 @@ class ClientView:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each streamed chunk
     finished: Optional[float] = None
     error: str = ""
+    # the router's TTFT stages (router/app.py): P's first scheduled step and its answer, D's arrival and first
+    # scheduled step, the load's start and end (from D's connector)
+    p_scheduled: Optional[float] = None
+    p_done: Optional[float] = None
+    d_arrival: Optional[float] = None
+    d_scheduled: Optional[float] = None
+
+    def ttft_stages(self, load: Optional[list[float]]) -> dict[str, float]:
+        """Seconds per stage, for the stages this request passed, as the router splits TTFT."""
+        if not self.chunks or self.d_scheduled is None:
+            return {}
+        first = self.chunks[0][0]
+        out = {"total": first - self.trace.arrival_time}
+        if self.p_done is not None:
+            out.update(router_to_prefill=self.p_scheduled - self.trace.arrival_time,
+                       prefill=self.p_done - self.p_scheduled)
+        kv = load[1] - load[0] if load is not None else 0.0
+        if load is not None:
+            out["kv_transfer"] = kv
+        out["decode_queue"] = self.d_scheduled - self.d_arrival - kv
+        out["first_token"] = first - self.d_scheduled
+        return out
 
     def result(self) -> RequestResult:
         t0 = self.trace.arrival_time
@@ -93,7 +115,22 @@ class Simulator:
             elif kind == "prefilled":
                 self._to_decode(*payload, t)
         end = max((v.finished or v.trace.arrival_time for v in views), default=0.0)
+        self.views = views
         return [v.result() for v in views], end
+
+    def ttft_split_ms(self) -> Optional[dict]:
+        """Mean milliseconds per TTFT stage over the requests that passed it, as bench serve reports a router's;
+        None for a collocated deployment (no router)."""
+        if not self.pd:
+            return None
+        loads = {}
+        for n in self.decode_nodes:
+            loads.update(n.connector.load_times)
+        sums: dict[str, list[float]] = {}
+        for v in self.views:
+            for stage, sec in v.ttft_stages(loads.get(v.trace.request_id)).items():
+                sums.setdefault(stage, []).append(sec)
+        return {k: 1000.0 * sum(x) / len(x) for k, x in sums.items()}
 
     def _submit(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
         rn = pool.pick()
@@ -105,6 +142,8 @@ class Simulator:
             return
         rn.in_flight += 1
         self.owner[(node.name, req.request_id)] = view
+        if pool is self.d_pool:
+            view.d_arrival = t
         node.add(req)
         self._wake(node, t)
 
@@ -134,6 +173,13 @@ class Simulator:
         if self.on_step is not None:
             self.on_step(node, rec)
         is_p = node in self.prefill_nodes
+        for rid, _, _ in rec.rows:
+            view = self.owner.get((node.name, rid))
+            if view is not None:
+                if is_p and view.p_scheduled is None:
+                    view.p_scheduled = rec.start
+                elif not is_p and view.d_scheduled is None:
+                    view.d_scheduled = rec.start
         for req, n in rec.emitted:
             view = self.owner.get((node.name, req.request_id))
             if view is None:
@@ -144,6 +190,7 @@ class Simulator:
                 del self.owner[(node.name, req.request_id)]
                 self.router_node[node.name].in_flight -= 1
                 if is_p:
+                    view.p_done = rec.end
                     self._push(rec.end, "prefilled", (view, req.kv_transfer_params_out))
                 else:
                     view.finished = rec.end

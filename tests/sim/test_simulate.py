@@ -52,6 +52,20 @@ def test_pd_ttft_includes_the_kv_transfer(linear_profile):
     assert slow["sim"]["kv_bytes_transferred"] == 32 * 16 * linear_profile.model.kv_bytes_per_token
     # D's first step is the one-token replay over the imported KV: decode-shaped, FULL under the default rule
     assert slow["graph"] == {**slow["graph"], "non_full_steps": 0}
+    # the router's TTFT split: the stages add up to the client's TTFT, the transfer is where the latency went
+    split = slow["router_ttft_split_ms"]
+    assert set(split) == {"router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "total"}
+    assert split["total"] == pytest.approx(1000 * slow["ttfts"][0])
+    assert sum(v for k, v in split.items() if k != "total") == pytest.approx(split["total"])
+    assert split["kv_transfer"] - quick["router_ttft_split_ms"]["kv_transfer"] == pytest.approx(500)
+
+
+def test_the_ttft_split_is_the_routers_only(linear_profile):
+    trace = random_trace(10, 64, 4, request_rate=5.0, seed=6) + [TraceRequest("one", 3.0, 1, 4)]
+    assert simulate(trace, parse_deployment("collocated"), cfg(), linear_profile)["router_ttft_split_ms"] is None
+    r = simulate(trace, parse_deployment("1p1d"), cfg(), linear_profile, transfer=FAST)
+    assert r["completed"] == 11  # a one-token prompt skips P (no prefill stage), the rest pass every stage
+    assert r["router_ttft_split_ms"]["total"] == pytest.approx(1000 * sum(r["ttfts"]) / 11)
 
 
 def test_pd_leases_end_and_pools_are_whole(linear_profile):

@@ -31,17 +31,17 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="JSONL, one request a line: {\"arrival_time\": s, \"prompt_len\": n, \"output_len\": m} with "
                         "optional prefix_group, prefix_len, request_id (docs/sim.md). Without it, the random "
                         "generator below.")
-    g.add_argument("--num-prompts", type=int, default=64, help="Random: requests per rate (default: 64).")
-    g.add_argument("--random-input-len", type=int, default=256, help="Random: mean prompt tokens (default: 256).")
-    g.add_argument("--random-output-len", type=int, default=64, help="Random: output tokens (default: 64).")
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
+    g.add_argument("--num-prompts", type=int, default=None, help="Random: requests per rate (default: 64).")
+    g.add_argument("--random-input-len", type=int, default=None, help="Random: mean prompt tokens (default: 256).")
+    g.add_argument("--random-output-len", type=int, default=None, help="Random: output tokens (default: 64).")
+    g.add_argument("--random-range-ratio", type=float, default=None,
                    help="Random: lengths drawn in [mean x (1 - r), mean x (1 + r)], as bench serve (default: 0).")
-    g.add_argument("--random-prefix-len", type=int, default=0,
+    g.add_argument("--random-prefix-len", type=int, default=None,
                    help="Random: tokens every prompt starts with, added to the input length (default: 0).")
-    g.add_argument("--request-rate", default="1", metavar="RATES",
+    g.add_argument("--request-rate", default=None, metavar="RATES",
                    help="Random: comma-separated request rates in req/s, one run each (inf: all at once; default: "
                         "1).")
-    g.add_argument("--burstiness", type=float, default=1.0,
+    g.add_argument("--burstiness", type=float, default=None,
                    help="Random: gamma shape of the arrival gaps, 1 = Poisson (default: 1).")
     g.add_argument("--seed", type=int, default=0, help="Seed for lengths, arrivals, token ids (default: 0).")
     d = p.add_argument_group("deployment and models")
@@ -88,6 +88,22 @@ def _engine_config(args) -> EngineConfig:
     return EngineConfig.from_kwargs("sim", max_model_len=args.max_model_len, device="cpu", **kw)
 
 
+RANDOM_DEFAULTS = {"num_prompts": 64, "random_input_len": 256, "random_output_len": 64, "random_range_ratio": 0.0,
+                   "random_prefix_len": 0, "request_rate": "1", "burstiness": 1.0}
+
+
+def _workload_flags(args) -> None:
+    """The random generator's flags mean nothing with a trace (it has its own lengths and times): refused by name,
+    not ignored; without a trace, their defaults."""
+    given = [k for k in RANDOM_DEFAULTS if getattr(args, k) is not None]
+    if args.trace is not None and given:
+        raise ValueError(f"--{given[0].replace('_', '-')} is for the random generator; --trace {args.trace} has its "
+                         "own requests and arrival times")
+    for k, v in RANDOM_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def _rates(text: str) -> list[float]:
     try:
         rates = [float(r) for r in text.split(",") if r.strip()]
@@ -105,6 +121,7 @@ def run_sim(args) -> int:
     from pdserve.sim.trace import load_trace, random_trace
     if args.profile is None:
         raise ValueError("--profile is required (pdserve sim calibrate --model DIR writes one)")
+    _workload_flags(args)
     profile = load_profile(args.profile)
     dep = parse_deployment(args.deployment, args.nodes)
     if not 0 <= args.spec_acceptance <= 1:

@@ -80,6 +80,13 @@ def test_bad_flags_are_named(tmp_path, capsys, profile, argv, named):
     assert named in _err(capsys, ["sim", *argv])
 
 
+def test_random_flags_with_a_trace_are_refused(tmp_path, capsys, profile):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(GOOD + "\n")
+    err = _err(capsys, ["sim", "--profile", profile, "--trace", str(trace), "--request-rate", "4"])
+    assert "--request-rate is for the random generator" in err
+
+
 def test_bad_profile_is_named(tmp_path, capsys):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({**LINEAR, "type": "linear", "coefficients": {**LINEAR["coefficients"],

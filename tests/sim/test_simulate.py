@@ -29,6 +29,13 @@ def test_collocated_runs_every_request_to_its_length(linear_profile):
     assert g["full_steps"] > 0 and g["non_full_reasons"].get("prefill", 0) > 0
 
 
+def test_a_run_is_deterministic(linear_profile):
+    trace = random_trace(30, 80, 12, request_rate=10.0, range_ratio=0.5, seed=7)
+    a, b = (simulate(trace, parse_deployment("2p1d"), cfg(), linear_profile, transfer=FAST, seed=3)
+            for _ in range(2))
+    assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"] and a["graph"] == b["graph"]
+
+
 def test_a_node_under_load_is_slower(linear_profile):
     slow, fast = (simulate(random_trace(60, 200, 30, rate, seed=2), parse_deployment("collocated"), cfg(),
                            linear_profile) for rate in (200.0, 1.0))

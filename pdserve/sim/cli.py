@@ -77,6 +77,13 @@ ENGINE_SECTIONS = (CacheConfig, SchedulerConfig, CompilationConfig)
 
 def _engine_config(args) -> EngineConfig:
     import dataclasses
+    # engine flags with nothing to act on in a simulation: refused, so a run never reads as if they had applied
+    if args.gpu_memory_utilization is not None:
+        raise ValueError("--gpu-memory-utilization: a simulated node's KV cache is --num-gpu-blocks-override "
+                         "blocks, or --kv-cache-memory-gb over the profile's model.kv_bytes_per_token")
+    if args.cudagraph_metrics:
+        raise ValueError("--cudagraph-metrics: a simulated run's graph counts are in its result JSON (graph, and "
+                         "per node under sim.nodes)")
     names = {f.name for cls in ENGINE_SECTIONS for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     if args.speculative_config is not None:

@@ -74,6 +74,9 @@ def test_empty_and_missing_traces(tmp_path, capsys, profile):
     (["--kv-bandwidth-gb-s", "0"], "--kv-bandwidth-gb-s must be a number > 0"),
     (["--speculative-config", "{\"method\": \"eagle\"}"], "--speculative-config:"),
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: a simulated node's KV cache"),
+    (["--cudagraph-metrics"], "--cudagraph-metrics: a simulated run's graph counts"),
+    (["--num-gpu-blocks-override", "4", "--max-model-len", "1024"], "cannot hold one max_model_len (1024)"),
 ])
 def test_bad_flags_are_named(tmp_path, capsys, profile, argv, named):
     argv = (["--profile", profile] if argv else []) + argv + ["--result-dir", str(tmp_path / "r")]

@@ -38,7 +38,7 @@ class StepRecord:
     chose, what the update emitted and finished."""
     start: float
     end: float
-    mode: str
+    mode: str  # "" for a step that only preempted (nothing ran)
     reason: Optional[str]
     num_tokens: int
     padded_tokens: int
@@ -112,7 +112,7 @@ class SimNode:
         return self.connector.next_event() if self.connector is not None else None
 
     def step(self, now: float) -> Optional[StepRecord]:
-        """One engine step at `now`; None when there was nothing to run (loads in flight, or idle)."""
+        """One engine step at `now`; None when there was nothing to do (loads in flight, or idle)."""
         if self.connector is not None:
             self.connector.now = now
             self.scheduler.process_transfers(self.connector.get_finished())  # no load fails here
@@ -120,7 +120,10 @@ class SimNode:
         if self.connector is not None:
             self.connector.start_load_kv(self.connector.build_connector_meta())
         if not out.rows:
-            return None
+            # a running request that preempted itself (the blocks it needs held by loads or imports): the engine
+            # returns at once and its loop steps again, so this step takes no time but is not idle
+            return StepRecord(now, now, "", None, 0, 0, [], [r.request_id for r in out.preempted]) \
+                if out.preempted else None
         mode, desc, reason, num_tokens = choose_graph(self.dispatcher, out.rows, self.uniform_query_len, self.rule,
                                                       self.is_pd_consumer)
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(out.rows), reason)

@@ -82,9 +82,9 @@ class Simulator:
         self.events: list = []
         self._seq = itertools.count()
         self.wake_at: dict[str, float] = {}
-        self.clients: dict[str, ClientView] = {}
+        self.views: list[ClientView] = []
         self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
-        self.now = 0.0
+        self.p_names = {n.name for n in prefill}
 
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
@@ -98,13 +98,11 @@ class Simulator:
 
     def run(self, trace: list[TraceRequest], prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
         """(per-request results in trace order, duration: from 0 to the last request's end)."""
-        views = [ClientView(r, p) for r, p in zip(trace, prompts)]
+        views = self.views = [ClientView(r, p) for r, p in zip(trace, prompts)]
         for v in views:
-            self.clients[v.trace.request_id] = v
             self._push(v.trace.arrival_time, "arrive", v)
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
-            self.now = t
             if kind == "arrive":
                 self._arrive(payload, t)
             elif kind == "wake":
@@ -115,7 +113,6 @@ class Simulator:
             elif kind == "prefilled":
                 self._to_decode(*payload, t)
         end = max((v.finished or v.trace.arrival_time for v in views), default=0.0)
-        self.views = views
         return [v.result() for v in views], end
 
     def ttft_split_ms(self) -> Optional[dict]:
@@ -172,7 +169,7 @@ class Simulator:
             return
         if self.on_step is not None:
             self.on_step(node, rec)
-        is_p = node in self.prefill_nodes
+        is_p = node.name in self.p_names
         for rid, _, _ in rec.rows:
             view = self.owner.get((node.name, rid))
             if view is not None:

@@ -120,7 +120,7 @@ def run_sim(trace, profile, consumer: bool = False) -> list[tuple]:
     for sched_out, rec in got:
         if not (sched_out.rows or sched_out.preempted):
             continue
-        mode, reason = (rec.mode, rec.reason) if rec is not None else (None, None)
+        mode, reason = (rec.mode or None, rec.reason) if rec is not None else (None, None)
         rows = tuple((r.request.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in sched_out.rows)
         out.append((rows, tuple(r.request_id for r in sched_out.preempted), mode, reason))
     return out

@@ -132,3 +132,30 @@ def test_speculative_decoding_emits_accepted_drafts(linear_profile):
     assert chunks < 3 * 25  # steps that emitted several tokens at once
     node.scheduler.check_invariants()
     assert node.kv.num_free_blocks() == 199
+
+
+def test_a_request_that_preempts_itself_does_not_stall_its_node(linear_profile):
+    """On D a lone running request can preempt itself when a load holds the blocks it needs: the engine's step
+    then runs nothing and its loop steps again at once; a simulated node must too, or both requests stall."""
+    import copy
+
+    from pdserve.sim.connector import Fabric, SimConnector
+    from pdserve.sim.node import SimNode
+    from pdserve.sim.profile import profile_from_dict
+    from pdserve.sim.simulator import Simulator
+    from pdserve.sim.trace import prompt_token_ids
+    from tests.sim.conftest import LINEAR
+    one_s = copy.deepcopy(LINEAR)
+    one_s["coefficients"] = {"base_s": dict.fromkeys(("FULL", "PIECEWISE", "NONE"), 1.0), "per_token_s": 0,
+                             "per_row_s": 0, "per_context_token_s": 0}
+    prof, config = profile_from_dict(one_s), cfg(max_model_len=192, num_gpu_blocks_override=14, max_num_seqs=4)
+    fab = Fabric(TransferModel(1e12, 46.0), 1.0, 16)  # the load ends after `a` needs its fourth block
+    p = SimNode("p0", config, prof, 192, 14, SimConnector("kv_producer", "p0", fab, 16))
+    d = SimNode("d0", config, prof, 192, 14, SimConnector("kv_consumer", "d0", fab, 16))
+    idle_preemptions = []
+    sim = Simulator([p], [d], fabric=fab,
+                    on_step=lambda n, rec: idle_preemptions.append(rec.preempted) if not rec.rows else None)
+    trace = [TraceRequest("a", 0.0, 1, 150), TraceRequest("b", 0.5, 160, 10)]  # `a` on D alone, `b` through P
+    results, _ = sim.run(trace, [prompt_token_ids(t, 32000) for t in trace])
+    assert idle_preemptions == [["a"]], "the scenario no longer arises: retune the latency"
+    assert all(r.success for r in results) and [r.output_tokens for r in results] == [150, 10]

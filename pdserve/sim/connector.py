@@ -66,7 +66,10 @@ class SimConnector(KVConnector):
     def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
         if self.role != "kv_consumer" or not (req.kv_transfer_params or {}).get("do_remote_prefill"):
             return 0
-        return max(0, req.num_prompt_tokens - 1 - num_local_computed)
+        if num_local_computed >= req.num_prompt_tokens - 1:  # all cached here: nothing to pull, but P must hear
+            self.queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), 0, []))  # `done` (as TcpConnector)
+            return 0
+        return req.num_prompt_tokens - 1 - num_local_computed
 
     def lease_time_left(self, req: Request) -> float:
         return math.inf

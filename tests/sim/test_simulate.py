@@ -79,7 +79,10 @@ def test_pd_leases_end_and_pools_are_whole(linear_profile):
     from pdserve.sim.run import build_nodes
     from pdserve.sim.simulator import Simulator
     from pdserve.sim.trace import prompt_token_ids
-    trace = random_trace(30, 150, 10, request_rate=50.0, seed=3)
+    # plus one prompt four times: D's prefix cache then holds all but its last token, so D loads nothing and
+    # must still tell P it is done (a bare `done`)
+    trace = random_trace(30, 150, 10, request_rate=50.0, seed=3) + [
+        TraceRequest(f"same{i}", 1.0 + i, 49, 4, "same", 49) for i in range(4)]
     config = cfg(num_gpu_blocks_override=80)  # tight on both sides: loads wait for blocks, P's leases pile up
     prefill, decode, fabric = build_nodes(parse_deployment("1p1d"), config, linear_profile,
                                           TransferModel(1e8, 0.002), 0.0, 0)
@@ -91,6 +94,7 @@ def test_pd_leases_end_and_pools_are_whole(linear_profile):
         assert not node.scheduler.requests and not node.scheduler.transfers.leased
         assert node.kv.num_free_blocks() == node.kv.pool.num_blocks - 1, node.name  # all but the null block
     assert prefill[0].connector.open_leases == 0
+    assert [f"same{i}" in decode[0].connector.load_times for i in range(4)] == [True, False, False, False]
 
 
 def test_the_rule_decides_ds_graph_share(linear_profile):

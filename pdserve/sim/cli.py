@@ -59,8 +59,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-latency-ms", type=float, default=DEFAULT_LATENCY_MS,
                    help=f"XpYd: fixed latency of one KV transfer in ms (default: {DEFAULT_LATENCY_MS}).")
     d.add_argument("--spec-acceptance", type=float, default=0.5,
-                   help="With --speculative-config: the chance that each draft token is accepted, drafts taken in "
-                        "order until the first rejection (default: 0.5).")
+                   help="With --speculative-config: the chance that each draft token is accepted (drafts taken in "
+                        "order until the first rejection), and that the stand-in model's next token repeats its "
+                        "context, which is what n-gram drafts are found in (default: 0.5).")
     d.add_argument("--max-model-len", type=int, default=None,
                    help="Context length (default: the profile's model.max_model_len, else 4096).")
     d.add_argument("--speculative-config", default=None, metavar="JSON",

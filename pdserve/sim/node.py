@@ -5,15 +5,16 @@ stand-in sampler.
 
 The stand-in sampler gives every row that samples (`ScheduledRow.samples`) a token id that is never EOS or a stop
 token (the requests are made with `ignore_eos` and no stop ids), so every request runs to its trace's output length
-through the scheduler's own stop checks; a drafting row (speculative decoding) gets its accepted drafts, each kept
-with probability `spec_acceptance` until the first rejection (placeholders are always rejected, as the rejection
-sampler's), then one more token.
+through the scheduler's own stop checks. With speculative decoding its tokens repeat as text does (`_token`), so the
+engine's n-gram proposer finds drafts, and a drafting row gets its accepted drafts, each kept with probability
+`spec_acceptance` until the first rejection (placeholders are always rejected, as the rejection sampler's), then one
+more token.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
@@ -80,11 +81,12 @@ class SimNode:
         self.rule = config.compilation.full_graph_rule
         self.is_pd_consumer = connector is not None and connector.role == "kv_consumer"
         self.graph_stats = GraphStats(device, captured=False)
-        self.spec_acceptance = spec_acceptance
+        self.spec_acceptance = spec_acceptance if config.speculative_config is not None else 0.0
         self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                             "num_placeholder_tokens": 0}
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
+        self._follow: dict[str, tuple[dict, int]] = {}  # request id -> (token -> latest successor, tokens indexed)
         self.busy_until = 0.0
         self.num_steps = 0
 
@@ -130,13 +132,35 @@ class SimNode:
         dt = self.profile.step_time(_shape(out, mode.value, desc.num_tokens, num_tokens))
         rows = [(r.request.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.rows]
         updated = self.scheduler.update_from_output(out, self._sample(out))
+        for r in updated:
+            if r.is_finished:
+                self._follow.pop(r.request_id, None)
         self.num_steps += 1
         self.busy_until = now + dt
         return StepRecord(now, now + dt, mode.value, reason, num_tokens, desc.num_tokens, rows,
                           [r.request_id for r in out.preempted], [(r, r.num_new_tokens) for r in updated])
 
-    def _token(self) -> int:
+    def _random_token(self) -> int:
         return FIRST_TOKEN_ID + int(self.rng.random() * (self.vocab_size - FIRST_TOKEN_ID))  # randrange's cost / 3
+
+    def _token(self, req: Request, extra: Sequence[int] = ()) -> int:
+        """The stand-in model's next token for `req` (followed by `extra`, drafts accepted this step). With
+        speculative decoding it repeats itself as text does, so the engine's n-gram proposer finds drafts: with
+        probability spec_acceptance the token that followed the latest earlier occurrence of its last token (or,
+        for a token not seen before, one from a random place in its context, where copying then goes on), else
+        (and without speculative decoding always) a random id."""
+        if self.spec_acceptance and self.rng.random() < self.spec_acceptance:
+            follow, done = self._follow.setdefault(req.request_id, ({}, 0))
+            toks = req.all_token_ids
+            for i in range(done, len(toks) - 1):  # index what was appended since: token -> its latest successor
+                follow[toks[i]] = toks[i + 1]
+            self._follow[req.request_id] = (follow, max(done, len(toks) - 1))
+            nxt = follow.get(extra[-1] if extra else toks[-1])
+            if nxt is None and len(toks) > 1:  # a token never seen before: start copying a span of the context
+                nxt = toks[1 + int(self.rng.random() * (len(toks) - 1))]
+            if nxt is not None:
+                return nxt
+        return self._random_token()
 
     def _sample(self, out: SchedulerOutput) -> list:
         sampled: list = []
@@ -144,26 +168,33 @@ class SimNode:
             if not row.samples:
                 sampled.append(None)
             elif row.draft_token_ids:
-                sampled.append(self._verify(row.draft_token_ids))
+                sampled.append(self._verify(row.request, row.draft_token_ids))
             else:
-                sampled.append(self._token())
+                sampled.append(self._token(row.request))
         return sampled
 
-    def _verify(self, drafts) -> list[int]:
+    def _verify(self, req: Request, drafts) -> list[int]:
+        """A drafting row's emitted tokens, as greedy verification emits them: each real draft kept with
+        probability spec_acceptance until the first rejection, then the model's own token (a correction, never the
+        rejected draft) or, when all were kept, the bonus token."""
         c = self.spec_counts
         c["num_drafts"] += 1
+        real = [d for d in drafts if d != PLACEHOLDER_TOKEN_ID]
+        c["num_placeholder_tokens"] += len(drafts) - len(real)
+        c["num_draft_tokens"] += len(real)
         emitted = []
-        for d in drafts:
-            if d == PLACEHOLDER_TOKEN_ID:
-                c["num_placeholder_tokens"] += 1
-                continue
-            c["num_draft_tokens"] += 1
         for d in drafts:
             if d == PLACEHOLDER_TOKEN_ID or self.rng.random() >= self.spec_acceptance:
                 break
             emitted.append(d)
         c["num_accepted_tokens"] += len(emitted)
-        return emitted + [self._token()]
+        if len(emitted) < len(drafts) and drafts[len(emitted)] != PLACEHOLDER_TOKEN_ID:
+            rejected = drafts[len(emitted)]
+            tok = self._random_token()
+            while tok == rejected:
+                tok = self._random_token()
+            return emitted + [tok]
+        return emitted + [self._token(req, emitted)]
 
 
 def _shape(out: SchedulerOutput, mode: str, padded: int, num_tokens: int) -> StepShape:

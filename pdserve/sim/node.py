@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
@@ -89,6 +89,8 @@ class SimNode:
         self._follow: dict[str, tuple[dict, int]] = {}  # request id -> (token -> latest successor, tokens indexed)
         self.busy_until = 0.0
         self.num_steps = 0
+        # tests: a step's sampled tokens from elsewhere (a recorded engine run), in place of the stand-in's
+        self.sampler: Optional[Callable[[SchedulerOutput], list]] = None
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], output_len: int, arrival_time: float,
                      kv_transfer_params: Optional[dict] = None) -> Request:
@@ -131,7 +133,8 @@ class SimNode:
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(out.rows), reason)
         dt = self.profile.step_time(_shape(out, mode.value, desc.num_tokens, num_tokens))
         rows = [(r.request.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.rows]
-        updated = self.scheduler.update_from_output(out, self._sample(out))
+        sampled = self.sampler(out) if self.sampler is not None else self._sample(out)
+        updated = self.scheduler.update_from_output(out, sampled)
         for r in updated:
             if r.is_finished:
                 self._follow.pop(r.request_id, None)

@@ -19,7 +19,7 @@ from pdserve.sim.trace import TraceRequest, prompt_token_ids
 
 # small KV (forces preemption), a small token budget (chunked prefill), one prefix group (prefix-cache hits)
 ENGINE = dict(max_model_len=192, num_gpu_blocks_override=14, block_size=16, max_num_seqs=4,
-              max_num_batched_tokens=48, device="cpu", cudagraph_capture_sizes="1,2,4,8,16")
+              max_num_batched_tokens=48, device="cpu")
 VOCAB = 8192  # the tiny model's
 TRACE = [  # (arrival step, request)
     (0, TraceRequest("a", 0.0, 40, 12)),
@@ -52,13 +52,22 @@ def _params(r: TraceRequest) -> Optional[dict]:
         if r.prompt_len > 1 else None
 
 
-def run_engine(model: str, trace, consumer: bool = False) -> list[tuple]:
+def run_engine(model: str, trace, consumer: bool = False, sampled: Optional[list] = None, **extra) -> list[tuple]:
     from pdserve.core.engine import LLMEngine
     from pdserve.core.output_processor import OutputProcessor
     from pdserve.request import Request
     from pdserve.sampling_params import SamplingParams
-    engine = LLMEngine(EngineConfig.from_kwargs(model, **ENGINE))
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **{"cudagraph_capture_sizes": "1,2,4,8,16", **ENGINE,
+                                                          **extra}))
     conn = None
+    if sampled is not None:  # the tokens each step sampled, for the simulator to replay
+        execute = engine.runner.execute
+
+        def spy_execute(rows, blocks_of):
+            result = execute(rows, blocks_of)
+            sampled.append(result.sampled)
+            return result
+        engine.runner.execute = spy_execute
     if consumer:  # the engine as a decode node over the simulated connector (no KV is written: only the
         # schedule is compared, and it never reads the KV)
         conn = engine.connector = _consumer()
@@ -95,10 +104,13 @@ def run_engine(model: str, trace, consumer: bool = False) -> list[tuple]:
     return [_record(out, g) for out, g in zip(steps, graphs) if out.rows or out.preempted]
 
 
-def run_sim(trace, profile, consumer: bool = False) -> list[tuple]:
-    config = EngineConfig.from_kwargs("sim", **ENGINE)
+def run_sim(trace, profile, consumer: bool = False, sampled: Optional[list] = None, **extra) -> list[tuple]:
+    config = EngineConfig.from_kwargs("sim", **{"cudagraph_capture_sizes": "1,2,4,8,16", **ENGINE, **extra})
     node = SimNode("n0", config, profile, 192, ENGINE["num_gpu_blocks_override"], _consumer() if consumer else None,
                    vocab_size=VOCAB)
+    if sampled is not None:
+        replay = iter(sampled)
+        node.sampler = lambda out: next(replay)
     got = []
     schedule = node.scheduler.schedule
 
@@ -155,6 +167,27 @@ def test_recorded_trace_on_a_decode_node_schedules_the_same_batches(qwen3_tiny_d
                and row[1] == next(t.prompt_len for _, t in TRACE if t.request_id == row[0]) - 1]
     assert len(replays) >= len(TRACE) - 1, "loads no longer end in one-token replays"
     assert any(mode == "FULL" for *_, mode, _ in real)
+    for i, (a, b) in enumerate(zip(real, sim)):
+        assert a == b, f"step {i} differs:\n engine {a}\n sim    {b}"
+    assert len(real) == len(sim)
+
+
+@pytest.mark.timeout(300)
+def test_recorded_trace_with_speculative_decoding_schedules_the_same_batches(qwen3_tiny_dir, linear_profile):
+    """With the engine's sampled tokens replayed, the n-gram drafts, lookahead slots, multi-token updates and the
+    q = 1 + K graphs of the simulator's node are the engine's, step for step."""
+    spec = {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, '
+                                  '"prompt_lookup_max": 2}',
+            "cudagraph_capture_sizes": "1,2,3,4,6,8,9,12,16"}  # FULL sizes for q = 3 rows too
+    trace = [(k, TraceRequest(r.request_id, 0.0, r.prompt_len, r.output_len, r.prefix_group, r.prefix_len))
+             for k, r in TRACE]
+    sampled: list = []
+    real = run_engine(qwen3_tiny_dir, trace, sampled=sampled, **spec)
+    from pdserve.spec_decode.config import SpeculativeConfig
+    sim = run_sim(trace, linear_profile, sampled=sampled, cudagraph_capture_sizes=spec["cudagraph_capture_sizes"],
+                  speculative_config=SpeculativeConfig.from_json(spec["speculative_config"]))
+    assert any(isinstance(s, list) and len(s) > 1 for step in sampled for s in step), "no draft was accepted"
+    assert any(mode == "FULL" and rows[0][2] == 3 for rows, _, mode, _ in real), "no drafting step rode FULL"
     for i, (a, b) in enumerate(zip(real, sim)):
         assert a == b, f"step {i} differs:\n engine {a}\n sim    {b}"
     assert len(real) == len(sim)

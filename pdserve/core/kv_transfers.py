@@ -8,8 +8,8 @@ A decode node's (D) request with remote-prefill params:
    lasts it waits at the queue's head ("blocked"); otherwise it prefills locally;
 3. `process` (each step, the connector's `FinishedTransfers`): a loaded request goes to `ready` (its replay, or
    with P's first token its first decode, takes a seat next); a failed one is recomputed locally (handed back to
-   requeue) or failed, by the failure policy; a load that cannot be stopped and is overdue (`overdue`) lets its request go on while its blocks stay held under a
-   stand-in id until the load `ended`;
+   requeue) or failed, by the failure policy; a load that cannot be stopped and is overdue (`overdue`) lets its
+   request go on while its blocks stay held under a stand-in id until the load `ended`;
 4. `finish`: a request finished while loading leaves its blocks in `deferred_free` until its load reports.
 A prefill node's (P) finished request whose blocks the connector keeps for a reader sits in `leased` until the
 connector reports it `done_sending` (read, released or expired).

@@ -27,6 +27,10 @@ Lifecycle of a request:
    travel too), or the client goes away before D's
    answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
    `/v1/kv/release` (in the background; should that fail too, the lease ends at its expiry).
+With `--pd-first-token prefill` (docs/pd.md) step 2 sends P the client's own params with `first_token` asked; a
+P answer without params is then the whole answer (its token ended the request: D is not asked); otherwise a
+streamed request gets P's token at once and D's stream after it, spliced (router/first_token.py), and a D that
+fails before a token of its own is replaced (`_stream_after_first`).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
 answers again. With it, each P's probe (`GET /v1/kv/probe`, signed with P's KV token) goes to each D (`POST
 /v1/kv/probe`): a pair whose probe does not verify is out of rotation, with a log line, until it does.

@@ -127,6 +127,9 @@ class Deployment:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+            # the server exits before its engine-core process (same group) has finished exiting: give it the rest
+            while group_alive(c.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if group_alive(c.proc.pid):
                 killed.append(c.name)
                 os.killpg(c.proc.pid, signal.SIGKILL)

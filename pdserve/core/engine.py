@@ -303,6 +303,8 @@ class LLMEngine:
                              f"({self.max_model_len})")
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        # an output of P's first token not yet handed out must not follow the final one
+        self._admitted = [o for o in self._admitted if o.request_id != request_id]
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.make_output(req, []) if req is not None else None
 

@@ -6,6 +6,7 @@ logprobs; both block pools whole after every case."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
@@ -229,3 +230,20 @@ def test_first_token_with_spec_decode_on_d(pd_spec, n):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         drain(p)
         assert_whole(p, d)
+
+
+def test_abort_right_after_admission_makes_one_final_output(pd, col):
+    """D aborted before the step that hands out P's token: the abort's output is the last, and P's lease ends."""
+    p, d = pd
+    prompt = prompt_of(col, B + 3)
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    params = prefill(p, prompt, sp).kv_transfer_params
+    d.engine.add_request(prompt, sp, request_id="d-abort", kv_transfer_params=params)
+    final = d.engine.abort_request("d-abort")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert all(o.request_id != "d-abort" for o in d.engine.step())
+    drain(d)
+    t0 = time.monotonic()
+    while p.engine.scheduler.transfers.leased and time.monotonic() - t0 < 10:
+        p.engine.step()  # D's bare `done` releases the lease
+    assert_whole(p, d)

@@ -94,13 +94,16 @@ KV_FLAGS = (("--kv-auth-token", "kv_auth_token", "Shared KV token (default: $PDS
             ("--kv-tls-cert", "kv_tls_cert", "PEM certificate: P serves KV over TLS; on D, trusted when "
                                               "--kv-tls-ca is not given."),
             ("--kv-tls-key", "kv_tls_key", "PEM private key of --kv-tls-cert (P)."),
-            ("--kv-tls-ca", "kv_tls_ca", "PEM CA bundle D verifies P's certificate against."))
+            ("--kv-tls-ca", "kv_tls_ca", "PEM CA bundle D verifies P's certificate against."),
+            ("--pd-first-token", "pd_first_token",
+             "P: 'prefill' hands D the first token P sampled with every request's KV (D decodes from it: no replay "
+             "of the last prompt token); 'replay' (default, vLLM's way) only when the router asks for it."))
 
 
 def _kv_transfer_config(args):
     """--kv-transfer-config with the --kv-* convenience flags folded in (the flags win)."""
     import json
-    overrides = {field: getattr(args, field) for _, field, _ in KV_FLAGS if getattr(args, field) is not None}
+    overrides = {field: getattr(args, field) for _, field, _ in KV_FLAGS if getattr(args, field, None) is not None}
     if not overrides:
         return args.kv_transfer_config
     if args.kv_transfer_config is None:

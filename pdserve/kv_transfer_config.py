@@ -17,9 +17,9 @@ KNOWN_CONNECTORS = PD_CONNECTORS + ("MultiConnector",)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-INHERITED = ("kv_auth_token", "kv_tls_cert", "kv_tls_key", "kv_tls_ca")  # MultiConnector -> children
+INHERITED = ("kv_auth_token", "kv_tls_cert", "kv_tls_key", "kv_tls_ca", "pd_first_token")  # MultiConnector -> children
 _STRINGS = ("kv_connector", "kv_role", "engine_id", "kv_host", "kv_advertise_host", "kv_auth_token", "kv_tls_cert",
-            "kv_tls_key", "kv_tls_ca", "kv_load_failure_policy")
+            "kv_tls_key", "kv_tls_ca", "kv_load_failure_policy", "pd_first_token")
 
 
 def _check_types(d: dict) -> None:
@@ -61,6 +61,10 @@ class KVTransferConfig:
     kv_lease_seconds: float = 30.0
     kv_transfer_timeout: float = 10.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # P: "prefill" puts the first token P sampled (with its logprobs) in every request's params, so D starts from it
+    # with a plain decode step instead of replaying the last prompt token; "replay" (vLLM's way) only when the
+    # router asks for it (pdserve's router with --pd-first-token prefill asks per request)
+    pd_first_token: Literal["replay", "prefill"] = "replay"
     # TLS (optional; the HMAC handshake and frame tags run inside it). P serves TLS with kv_tls_cert/kv_tls_key
     # (PEM). D uses TLS when it has kv_tls_ca, or kv_tls_cert (a self-signed pair shared by the deployment: D trusts
     # that cert), and then verifies P's chain and that the cert names the host D dials (kv_advertise_host). With
@@ -110,6 +114,9 @@ class KVTransferConfig:
             raise ValueError("kv_transfer_config.connectors: a MultiConnector needs at least one child")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_transfer_config.kv_load_failure_policy must be 'recompute' or 'fail'")
+        if self.pd_first_token not in ("replay", "prefill"):
+            raise ValueError(f"kv_transfer_config.pd_first_token must be 'replay' or 'prefill', got "
+                             f"{self.pd_first_token!r}")
         if bool(self.kv_tls_cert) != bool(self.kv_tls_key):
             have, need = ("kv_tls_cert", "kv_tls_key") if self.kv_tls_cert else ("kv_tls_key", "kv_tls_cert")
             raise ValueError(f"kv_transfer_config.{need} is required with {have}")

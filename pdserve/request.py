@@ -87,6 +87,27 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    # ---- P/D, derived from the params ----------------------------------------------------------------------------
+    @property
+    def hands_off_first_token(self) -> bool:
+        """P: the router asked for the first token (`first_token` in its do_remote_decode params): the request runs
+        with the client's own params and stops after one token, which goes to D with the prompt's KV."""
+        p = self.kv_transfer_params or {}
+        return bool(p.get("do_remote_decode")) and p.get("first_token") is True
+
+    @property
+    def handed_off(self) -> bool:
+        """P: finished only to go on on D (not a stop, not its real length cap): its text is not final."""
+        return self.hands_off_first_token and self.status == RequestStatus.FINISHED_LENGTH and \
+            self.num_output_tokens < self.max_tokens
+
+    @property
+    def num_importable_tokens(self) -> int:
+        """D: prompt tokens whose KV comes from P: n - 1 when D replays the last one (vLLM's way), all n when P's
+        params carry the first token (D's first step is then a plain decode of it)."""
+        p = self.kv_transfer_params or {}
+        return self.num_prompt_tokens - (0 if p.get("first_token") else 1)
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -218,6 +218,20 @@ class SamplingParams:
             return "greedy"
         return "random_seed" if self.seed is not None else "random"
 
+    def first_token_key(self) -> str:
+        """What decides a request's first token (and the logprobs it comes with), as a short digest: a decode node
+        takes the first token a prefill node sampled only for a request whose key matches its own, since a router
+        may send P other params (vllm-router sends max_tokens 1, no stops). EOS and the stop ids count only while
+        min_tokens masks them; max_tokens and stop strings decide when to stop, not what is drawn."""
+        import hashlib
+        import json
+        masks = self.min_tokens > 0
+        key = [self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.presence_penalty,
+               self.frequency_penalty, self.repetition_penalty, sorted((self.logit_bias or {}).items()),
+               self.allowed_token_ids, self.bad_words, masks, sorted(self.stop_token_ids) if masks else None,
+               self.ignore_eos if masks else None, self.logprobs]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
     def clone(self) -> "SamplingParams":
         c = replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                     logit_bias=None if self.logit_bias is None else dict(self.logit_bias),

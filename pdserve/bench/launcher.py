@@ -127,6 +127,9 @@ class Deployment:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+            # the server exits before its engine-core process (same group) has finished exiting: give it the rest
+            while group_alive(c.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if group_alive(c.proc.pid):
                 killed.append(c.name)
                 os.killpg(c.proc.pid, signal.SIGKILL)
@@ -142,8 +145,9 @@ def vllm_router_program() -> Optional[str]:
 
 def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve",
            speculative_config: Optional[str] = None) -> None:
-    """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`)
-    behind `router` (pdserve, or vllm-router), with `speculative_config` (JSON) on the node that decodes.
+    """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`) or
+    `first-token` (the default rule, the first token from P) behind `router` (pdserve, or vllm-router), with
+    `speculative_config` (JSON) on the node that decodes.
     Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
     spec = [] if speculative_config is None else ["--speculative-config", speculative_config]
     arm = dep.arm
@@ -160,8 +164,10 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
     kv_port = free_port()
     producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
-    rule = [] if arm == "default" else ["--full-graph-rule", arm]
-    p = dep.spawn("prefill", [*serve, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
+    rule = [] if arm in ("default", "first-token") else ["--full-graph-rule", arm]
+    # first-token: P hands D its first token even to a router that does not ask (vllm-router); ours asks
+    first = ["--pd-first-token", "prefill"] if arm == "first-token" else []
+    p = dep.spawn("prefill", [*serve, *first, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
     d = dep.spawn("decode", [*serve, *rule, *spec, "--kv-transfer-config", json.dumps(consumer)], free_port(),
                   env)
     dep.decode_urls = [d]
@@ -171,5 +177,5 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
                 "--worker-startup-check-interval", "1", "--log-level", "warning"]
         dep.url = dep.spawn("vllm-router", args, free_port(), env, program=[vllm_router_program()])
         return
-    dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--log-level", "warning"], free_port(),
-                        env)
+    dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, *first, "--log-level", "warning"],
+                        free_port(), env)

@@ -1,8 +1,10 @@
 """`pdserve bench pd`: the seed's experiment end to end on loopback.
 
 1. the model: `--model DIR`, or the tiny model, built once under $PDSERVE_HOME if missing;
-2. for each arm (`collocated`; 1P1D whose D uses `--full-graph-rule strict`; 1P1D with the default rule; more by
-   `--arms`): launch its processes, wait for /health, run one warm-up, then `bench serve` at every rate of the sweep;
+2. for each arm (`collocated`; 1P1D whose D uses `--full-graph-rule strict`; 1P1D with the default rule, D replaying
+   the last prompt token; 1P1D `first-token`, the first token from P (`--pd-first-token prefill`); more by
+   `--arms`): launch its processes, wait for /health, run one warm-up, then `bench serve` at every rate of the
+   sweep;
 3. tear the arm down before the next one, so arms never share the CPU or GPU;
 4. print the table (ISL/OSL, rate, arm, non-FULL share, mean/p99 TPOT, p99 ITL, median TTFT), write every run's JSON,
    a summary JSON and a PNG plot to `--result-dir`.
@@ -27,16 +29,18 @@ from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
 
-ARMS = ("collocated", "default", *RULES)
+ARMS = ("collocated", "default", "first-token", *RULES)
 
 
 def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Local model directory (default: the tiny model under "
                                                   "$PDSERVE_HOME, built if missing).")
-    p.add_argument("--arms", default="collocated,strict,default",
+    p.add_argument("--arms", default="collocated,strict,default,first-token",
                    help="Comma-separated arms: collocated, or a 1P1D deployment named by its decode node's "
-                        f"--full-graph-rule ({', '.join(RULES)}), or 'default' for 1P1D without the flag "
-                        "(default: collocated,strict,default).")
+                        f"--full-graph-rule ({', '.join(RULES)}), or 'default' for 1P1D without the flag (D replays "
+                        "the last prompt token), or 'first-token' for 1P1D with the first token from P "
+                        "(--pd-first-token prefill on P and the router; default rule on D) "
+                        "(default: collocated,strict,default,first-token).")
     p.add_argument("--rates", default="1,2,4,8", help="Comma-separated request rates in req/s (default: 1,2,4,8).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate and arm (default: 64).")
     p.add_argument("--random-input-len", type=int, default=256, help="Mean prompt tokens (default: 256).")

@@ -20,11 +20,13 @@ from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
 from pdserve.model.loader import check_model_dir, model_dims, read_json_file, resolve_dtype
+from pdserve.model.sampler import Logprob
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched_output import cdiv
 from pdserve.transfer.base import ConnectorContext
+from pdserve.transfer.channel.leases import sends_first_token
 from pdserve.transfer.factory import make_connector
 from pdserve.worker import memory
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -87,7 +89,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.hf_config["vocab_size"]
         self._counter = 0
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request, self._seal_params)
+        self._admitted: list[RequestOutput] = []  # D: outputs of P's first tokens, out with the next step's
 
     def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
         """KV blocks, the null block included: the override, else what `profile` leaves under
@@ -162,7 +165,24 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, max_tokens=max_tokens,
                       kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
         req.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)  # tokenized by validate_prompt
+        first = (kv_transfer_params or {}).get("first_token") if (kv_transfer_params or {}).get(
+            "do_remote_prefill") else None
+        if first is not None:
+            self._take_first_token(req, first)
         return req
+
+    def _take_first_token(self, req: Request, first) -> None:
+        """D: the first token P sampled (in params P signed) becomes the request's first output, as if sampled here:
+        P imports all n prompt tokens' KV and D's first step is a plain decode of it. Only when P drew it with the
+        params that decide it here (`SamplingParams.first_token_key`); otherwise D replays the last prompt token
+        (vLLM's way) and imports n - 1."""
+        ok = isinstance(first, dict) and first.get("key") == req.sampling_params.first_token_key() and \
+            isinstance(tok := first.get("id"), int) and not isinstance(tok, bool) and 0 <= tok < self.vocab_size
+        if not ok:
+            logger.debug("request %s: P's first token was drawn with other params: replayed here", req.request_id)
+            req.kv_transfer_params = {k: v for k, v in req.kv_transfer_params.items() if k != "first_token"}
+            return
+        req.append_output_token(tok)
 
     def add(self, req: Request, prompt_text: Optional[str] = None) -> Request:
         """Add a request `make_request` built (and checked); `prompt_text`: the prompt as the client wrote it."""
@@ -176,7 +196,41 @@ class LLMEngine:
             if self.scheduler.requests.get(req.request_id) is not req:  # not taken: it will make no output
                 self.output_processor.drop(req.request_id)
             raise
+        if req.num_output_tokens:  # D: P's first token goes out now, stopping the request if it stops it
+            self._admitted += self._first_output(req)
         return req
+
+    def _first_output(self, req: Request) -> list[RequestOutput]:
+        """D: the output of P's first token, through the same stops (EOS, stop ids, length, stop strings) and
+        output state as a token sampled here; one that ends the request ends it before any load (P's lease is
+        released)."""
+        first = self._first_token_logprobs(req)
+        req.num_new_tokens = 1
+        status = self.scheduler.check_stop(req, req.output_token_ids[0])
+        if status is not None:
+            self.scheduler.finish_request(req.request_id, status)
+        return self.output_processor.process([req], {req.request_id: first} if first is not None else {})
+
+    @staticmethod
+    def _first_token_logprobs(req: Request) -> Optional[dict]:
+        if req.sampling_params.logprobs is None:
+            return None
+        entries = req.kv_transfer_params["first_token"].get("logprobs") or []
+        return {int(t): Logprob(float(v), int(r)) for t, v, r in entries}
+
+    def _seal_params(self, req: Request, first_logprobs: Optional[dict]) -> Optional[dict]:
+        """P: the params of a finished do_remote_decode request as they leave: with its first token (id, logprobs,
+        the key of the params that drew it) and signed again when it goes to D; None when that token ended the
+        request (EOS, a stop, its real length cap: D has nothing to do, and the lease ends now)."""
+        params = req.kv_transfer_params_out
+        if req.hands_off_first_token and not req.handed_off:
+            self.gateway.release_lease(params)
+            return None
+        if not req.output_token_ids or not sends_first_token(self.config.kv_transfer, req):
+            return params
+        lps = None if first_logprobs is None else [[t, lp.logprob, lp.rank] for t, lp in first_logprobs.items()]
+        first = {"id": req.output_token_ids[0], "key": req.sampling_params.first_token_key(), "logprobs": lps}
+        return self.gateway.sign({**params, "first_token": first})
 
     def _id_in_use(self, request_id: str) -> bool:
         """An id whose blocks are still held: reusing it would hand the new request the old one's KV (a P's lease
@@ -249,12 +303,15 @@ class LLMEngine:
                              f"({self.max_model_len})")
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        # an output of P's first token not yet handed out must not follow the final one
+        self._admitted = [o for o in self._admitted if o.request_id != request_id]
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.make_output(req, []) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or transfers (loads, leases) that still need the engine to poll."""
-        return self.scheduler.has_unfinished() or (self.connector is not None and self.connector.has_pending())
+        """Requests to run, outputs to hand out, or transfers (loads, leases) that still need the engine to poll."""
+        return bool(self._admitted) or self.scheduler.has_unfinished() or (
+            self.connector is not None and self.connector.has_pending())
 
     def _poll_transfers(self) -> list[RequestOutput]:
         if self.connector is None:
@@ -274,6 +331,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         transfer_outputs = self._poll_transfers()
+        if self._admitted:
+            transfer_outputs, self._admitted = self._admitted + transfer_outputs, []
         out = self.scheduler.schedule()
         if self.connector is not None:
             meta = self.connector.build_connector_meta()

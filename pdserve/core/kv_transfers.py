@@ -6,10 +6,10 @@ A decode node's (D) request with remote-prefill params:
 2. `start_load` (at admission): blocks for the loadable tokens, the replay's token and its lookahead slots; the
    request is parked in `loading` (WAITING_FOR_REMOTE_KV: no seat, no token budget); short of blocks while P's lease
    lasts it waits at the queue's head ("blocked"); otherwise it prefills locally;
-3. `process` (each step, the connector's `FinishedTransfers`): a loaded request goes to `ready` (its replay takes a
-   seat next); a failed one is recomputed locally (handed back to requeue) or failed, by the failure policy; a load
-   that cannot be stopped and is overdue (`overdue`) lets its request go on while its blocks stay held under a
-   stand-in id until the load `ended`;
+3. `process` (each step, the connector's `FinishedTransfers`): a loaded request goes to `ready` (its replay, or
+   with P's first token its first decode, takes a seat next); a failed one is recomputed locally (handed back to
+   requeue) or failed, by the failure policy; a load that cannot be stopped and is overdue (`overdue`) lets its
+   request go on while its blocks stay held under a stand-in id until the load `ended`;
 4. `finish`: a request finished while loading leaves its blocks in `deferred_free` until its load reports.
 A prefill node's (P) finished request whose blocks the connector keeps for a reader sits in `leased` until the
 connector reports it `done_sending` (read, released or expired).
@@ -108,7 +108,7 @@ class KVTransfers:
                 continue
             req.status = RequestStatus.WAITING
             if rid in fin.done_recving:
-                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.num_computed_tokens = req.num_importable_tokens
                 req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
                 self.kv.cache_blocks(req)  # authenticated and complete: safe to share
                 self.ready.append(req)
@@ -143,8 +143,10 @@ class KVTransfers:
         if self.connector is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             keep, out = self.connector.request_finished(req, self.kv.blocks_of(req.request_id))
             req.kv_transfer_params_out = self.sign(out) if out else out  # D checks this proof, whoever relays it
-        elif self.connector is not None and req.kv_transfer_params and not req.kv_load_tried:
-            self.connector.request_abandoned(req)  # e.g. aborted while short of blocks for its load
+        if self.connector is not None and (req.kv_transfer_params or {}).get("do_remote_prefill") and \
+                not req.kv_load_tried:
+            # e.g. aborted while short of blocks for its load, or P's first token stopped it at admission
+            self.connector.request_abandoned(req)
         if keep:
             self.leased[req.request_id] = req
         elif was_loading:  # a loader thread may still write these blocks: free them when it reports

@@ -41,9 +41,13 @@ class OutputState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, finish_request: Callable[[str, RequestStatus], object]):
+    def __init__(self, tokenizer, finish_request: Callable[[str, RequestStatus], object],
+                 seal_params: Optional[Callable[[Request, Optional[dict]], Optional[dict]]] = None):
         self._tokenizer = tokenizer
         self._finish_request = finish_request  # the scheduler's: frees a request a stop string ended
+        # P: a finished request's kv_transfer_params as they leave (the engine's: with the first token and its
+        # logprob entry, or None when that token ended the request); after the stop strings were searched
+        self._seal_params = seal_params
         self._token_texts: dict[int, str] = {}  # one token's text never changes: decoded once per id
         fast = backend_decoder(tokenizer)  # the Rust decode where transformers' wrapper would only wrap it
         self._decode_one = (lambda t: fast([t], skip_special_tokens=False)) if fast else \
@@ -104,7 +108,8 @@ class OutputProcessor:
         fed = detok.num_consumed
         # Fed as plain decoding feeds them, one step each: a stopping token whose text is left out ends its step
         # with nothing new, and only then is an incomplete tail flushed (and searched).
-        stop = detok.update(new if keep else new[:-1], final=req.is_finished and keep)
+        # a P request handed to D is not over for its client: its text stays held as mid-stream (D goes on)
+        stop = detok.update(new if keep else new[:-1], final=req.is_finished and keep and not req.handed_off)
         flushed = False
         if stop is None and not keep:
             stop = detok.update((), final=True)
@@ -139,7 +144,7 @@ class OutputProcessor:
         finished = req.is_finished
         st = self.states.pop(req.request_id) if finished else self.states[req.request_id]
         detok = st.detok
-        delta = detok.get_delta(finished)
+        delta = detok.get_delta(finished and not req.handed_off)
         kind = req.sampling_params.output_kind
         cumulative = kind != RequestOutputKind.DELTA
         logprobs = None
@@ -156,6 +161,8 @@ class OutputProcessor:
         metrics = st.metrics
         if finished:
             metrics.finished_time = time.monotonic()
+        if finished and req.kv_transfer_params_out is not None and self._seal_params is not None:
+            req.kv_transfer_params_out = self._seal_params(req, st.logprobs[0] if st.logprobs else None)
         comp = CompletionOutput(0, detok.released_text if cumulative else delta,
                                 list(req.output_token_ids) if cumulative else new_ids, None, logprobs,
                                 req.status.finish_reason, req.stop_reason, delta, new_ids)

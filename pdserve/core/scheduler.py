@@ -135,7 +135,7 @@ class Scheduler:
             load = self.transfers.start_load(req, hits, num_hit, self.num_lookahead(req))
             if load == "loading":
                 self.waiting.popleft()
-                self._count_lookup(req, num_hit, req.num_prompt_tokens - 1 - num_hit)  # what the connector loads
+                self._count_lookup(req, num_hit, req.num_importable_tokens - num_hit)  # what the connector loads
                 continue
             left = req.num_tokens - num_hit
             # a preempted request whose prefix cache covers all but its last token resumes as a decode row
@@ -242,6 +242,11 @@ class Scheduler:
             self.finish_request(req.request_id, status)
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        status = self.check_stop(req, token)
+        # P sampling a first token for D: one token, then handed off (`Request.handed_off` tells it from a real end)
+        return RequestStatus.FINISHED_LENGTH if status is None and req.hands_off_first_token else status
+
+    def check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         """As vLLM: before min_tokens only the end of the context stops a request; then EOS, a stop token id (the
         stop_reason), and only then the length caps (a stop token that is also the last allowed one is a stop)."""
         sp = req.sampling_params

@@ -131,6 +131,10 @@ class Sampler:
         st = self.state(req)
         if st.generator is None:
             st.generator = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
+            # Tokens it has before its first draw here were drawn elsewhere, one draw each (a prefill node's first
+            # token): the stream goes on where that node left it, so seeded P/D output equals collocated.
+            for _ in range(req.num_output_tokens):
+                torch.rand(1, generator=st.generator, dtype=torch.float64, device=self.device)
         return st.generator
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], row_of: Optional[list[int]] = None

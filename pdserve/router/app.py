@@ -27,6 +27,10 @@ Lifecycle of a request:
    travel too), or the client goes away before D's
    answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
    `/v1/kv/release` (in the background; should that fail too, the lease ends at its expiry).
+With `--pd-first-token prefill` (docs/pd.md) step 2 sends P the client's own params with `first_token` asked; a
+P answer without params is then the whole answer (its token ended the request: D is not asked); otherwise a
+streamed request gets P's token at once and D's stream after it, spliced (router/first_token.py), and a D that
+fails before a token of its own is replaced (`_stream_after_first`).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
 answers again. With it, each P's probe (`GET /v1/kv/probe`, signed with P's KV token) goes to each D (`POST
 /v1/kv/probe`): a pair whose probe does not verify is out of rotation, with a log line, until it does.
@@ -55,13 +59,14 @@ from typing import Optional
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve.router.first_token import FirstToken, Splice
 from pdserve.router.nodes import Fleet, Node, error_of
-from pdserve.router.relay import error, relay_answer
+from pdserve.router.relay import DONE, error, relay_answer
 from pdserve.router.timing import TtftSplit
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
 from pdserve.transfer.channel.proof import NOT_VERIFIED
@@ -78,6 +83,11 @@ def _asks_prompt_logprobs(body: dict) -> bool:
         isinstance(lp, int) and not isinstance(lp, bool) or body.get("top_logprobs") is not None)
 
 
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (its body was read already, so only the disconnect is left to receive)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -86,8 +96,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 class Router(Fleet):
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, pd_first_token: str = "replay"):
         super().__init__(prefill, decode, policy, health_interval, timeout)
+        self.pd_first_token = pd_first_token  # "prefill": P samples the first token, streamed to the client at once
         self.registry = CollectorRegistry()
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*, as a server's
             self.registry.register(c)
@@ -96,11 +107,16 @@ class Router(Fleet):
 
 
     async def _prefill(self, path: str, body: dict,
-                       headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response], str]:
+                       headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response], str,
+                                               Optional[dict]]:
         """(P's kv_transfer_params or None: nothing to hand over, the P that answered, P's Server-Timing, an error
-        response for the client or None, P's refusal of the client's request or "")."""
-        p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
-        p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
+        response for the client or None, P's refusal of the client's request or "", P's whole answer)."""
+        if self.pd_first_token == "prefill":  # the client's own params: P's token is the answer's first
+            p_body = {k: v for k, v in body.items() if k != "stream_options"}
+            p_body.update(stream=False, kv_transfer_params={"do_remote_decode": True, "first_token": True})
+        else:
+            p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
+            p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
         tried: tuple = self.prefill_exclusions()
         now = time.monotonic()
         held = tuple(n for n in self.prefill.nodes if n.refused_pd_until > now)
@@ -129,18 +145,19 @@ class Router(Fleet):
                     continue
                 # P refused the client's fields: D, which answers the same client errors, decides (P and D may
                 # be configured differently, e.g. a shorter max_model_len on P: D then prefills locally)
-                return None, node, {}, None, f"{r.status_code} {msg}"
+                return None, node, {}, None, f"{r.status_code} {msg}", None
             try:
-                params = r.json().get("kv_transfer_params")
+                answer = r.json()
+                params = answer.get("kv_transfer_params")
             except (ValueError, AttributeError) as e:
                 logger.warning("[%s] prefill node %s answered unreadable JSON (%s); trying another",
                                headers["X-Request-Id"], node.url, e)
                 continue
             node.refused_pd_until = 0.0
-            return params, node, parse_server_timing(r.headers.get("server-timing")), None, ""
+            return params, node, parse_server_timing(r.headers.get("server-timing")), None, "", answer
         if setup_error:  # never a 4xx: the client's request was not at fault
-            return None, None, {}, error(502, setup_error, "bad_gateway"), ""
-        return None, None, {}, None, ""  # no P left: D prefills locally
+            return None, None, {}, error(502, setup_error, "bad_gateway"), "", None
+        return None, None, {}, None, "", None  # no P left: D prefills locally
 
     def _release(self, p_node: Optional[Node], d_body: dict, rid: str, why: str) -> None:
         """Step 5: end, in the background, P's lease on the signed params in `d_body` (if any) that no D took."""
@@ -196,7 +213,7 @@ class Router(Fleet):
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:
-            params, p_node, p_timing, err, p_refused = (None, None, {}, None, "") if skip_p else \
+            params, p_node, p_timing, err, p_refused, p_answer = (None, None, {}, None, "", None) if skip_p else \
                 await self._prefill(path, body, headers)
             if err is not None:
                 return err
@@ -208,6 +225,18 @@ class Router(Fleet):
             if gone.done():  # the client left while P prefilled: no D will take these params
                 self._release(p_node, d_body, rid, "the client went away")
                 return Response(status_code=499)
+            first = FirstToken(p_answer) if self.pd_first_token == "prefill" and p_answer is not None else None
+            if first is not None and not params:  # P's token ended the request: P's answer is all of it
+                self.ttft.observe(t_d - t0, p_round_trip, p_timing, {}, False, from_prefill=True)
+                if body.get("stream"):
+                    return StreamingResponse(iter([first.chunks(True, _include_usage(body))]),
+                                             media_type="text/event-stream", headers={"X-Request-Id": rid})
+                return JSONResponse(p_answer, headers={"X-Request-Id": rid})
+            if first is not None and body.get("stream"):
+                self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, {}, False, from_prefill=True)
+                return StreamingResponse(self._stream_after_first(path, d_body, headers, p_node, first,
+                                                                  _include_usage(body)),
+                                         media_type="text/event-stream", headers={"X-Request-Id": rid})
             tried: tuple = ()
             while True:
                 node = self.decode_for(p_node if params else None, tried)
@@ -266,6 +295,49 @@ class Router(Fleet):
         on_first = (lambda: self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing,
                                               bool(params))) if ok else None
         return await relay_answer(upstream, node, rid, on_first)
+
+    async def _stream_after_first(self, path: str, d_body: dict, headers: dict, p_node: Node, first: FirstToken,
+                                  include_usage: bool):
+        """P's first token at once, then D's stream without it. A D that fails before sending a token of its own is
+        replaced by another with the same params (P's lease may still be held); after one, or with no D left, the
+        stream ends with an error event: a token is never sent twice. Params no D took end their lease on P."""
+        rid = headers["X-Request-Id"]
+        yield first.chunks(False, include_usage)
+        splice, tried, taken = Splice(first), (), False
+        why = "no healthy decode node"
+        try:
+            while (node := self.decode_for(p_node, tried)) is not None:
+                tried += (node,)
+                node.in_flight += 1
+                try:
+                    async with self.client.stream("POST", node.url + path, json=d_body, headers=headers) as up:
+                        if up.status_code != 200:
+                            body = (await up.aread())[:300].decode(errors="replace")
+                            why = f"decode node {node.url} answered {up.status_code}: {body}"
+                            if up.status_code < 500:  # the same params would be refused by any D
+                                break
+                            continue
+                        taken = not up.headers.get(KV_UNUSED_HEADER)
+                        async for chunk in up.aiter_raw():
+                            out = splice.feed(chunk)
+                            if out:
+                                yield out
+                        if splice.buf.strip():
+                            yield splice.feed(b"\n\n")
+                        return
+                except httpx.HTTPError as e:
+                    why = f"decode node {node.url} failed: {e}"
+                    if splice.sent_tokens:
+                        break
+                    logger.warning("[%s] %s before its first token; trying another decode node", rid, why)
+                finally:
+                    node.in_flight -= 1
+            logger.warning("[%s] %s: the stream ends after the prefill node's first token", rid, why)
+            err = {"message": why, "type": "bad_gateway", "param": None, "code": 502}
+            yield f"data: {json.dumps({'error': err})}\n\n".encode() + DONE
+        finally:
+            if not taken:
+                self._release(p_node, d_body, rid, "no decode node took the first token's request")
 
     async def _refused(self, upstream: httpx.Response, p: Node, d: Node) -> Response:
         """D's 400 to a P/D request: on the params this router relayed unaltered it is a deployment error, answered

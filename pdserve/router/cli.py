@@ -23,6 +23,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="How a P and a D are chosen among the healthy ones (default: round-robin).")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="Seconds between node health checks and P -> D probes (default: 1.0).")
+    p.add_argument("--pd-first-token", choices=("replay", "prefill"), default="replay",
+                   help="Where a P/D request's first token comes from. 'replay' (default, vLLM's way): P prefills with "
+                        "max_tokens 1 and D replays the last prompt token before its first token. 'prefill': P "
+                        "samples the first token with the request's own params and the router streams it to the "
+                        "client as soon as P answers; D imports all prompt KV and decodes from that token (lower "
+                        "TTFT). A first token that ends the request is answered by P alone.")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
                    help="Log level (default: info).")
 
@@ -65,7 +71,8 @@ def run_router(args) -> int:
     import uvicorn
     check_router_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval)
+    router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval,
+                            pd_first_token=args.pd_first_token)
     exit_cleanly_after_signals()  # as `pdserve serve`: 0 after a clean SIGTERM, not 143
     uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

@@ -14,9 +14,11 @@ class TtftSplit:
                               ["stage"], registry=registry,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
-    def observe(self, total: float, p_round_trip: Optional[float], p: dict, d: dict, handed_over: bool) -> None:
+    def observe(self, total: float, p_round_trip: Optional[float], p: dict, d: dict, handed_over: bool,
+                from_prefill: bool = False) -> None:
         """One request's TTFT split. `p`, `d`: P's and D's Server-Timing ({} when absent); `handed_over`: D got
-        P's KV params. first_token is the remainder, so the stages observed add up to `total`."""
+        P's KV params. first_token is the remainder, so the stages observed add up to `total`; with the first token
+        from P (`from_prefill`) it is `first_token_from_prefill`, the router's own time to put it out."""
         stages = {"total": total}
         rest = total
         if p_round_trip is not None:
@@ -30,6 +32,6 @@ class TtftSplit:
         if "queue" in d:
             stages["decode_queue"] = d["queue"]
             rest -= d["queue"]
-        stages["first_token"] = max(rest, 0.0)
+        stages["first_token_from_prefill" if from_prefill else "first_token"] = max(rest, 0.0)
         for stage, seconds in stages.items():
             self.hist.labels(stage).observe(seconds)

@@ -28,11 +28,12 @@ class LoadJob:
 
 
 def load_job(req: Request, block_ids: list[int], num_local_computed: int, block_size: int) -> LoadJob:
-    """The load of `req`'s first n - 1 prompt tokens past its local prefix hit into its `block_ids` (the replay's
-    block, allocated with them, is not read); with no blocks, a bare `done` that only releases the producer's lease."""
+    """The load of `req`'s importable prompt tokens (n - 1, or n with P's first token) past its local prefix hit
+    into its `block_ids` (the block of the token D computes first, allocated with them, is not read); with no
+    blocks, a bare `done` that only releases the producer's lease."""
     if not block_ids:
         return LoadJob(req.request_id, dict(req.kv_transfer_params), 0, [])
-    first, last = num_local_computed // block_size, -(-(req.num_prompt_tokens - 1) // block_size)
+    first, last = num_local_computed // block_size, -(-req.num_importable_tokens // block_size)
     return LoadJob(req.request_id, dict(req.kv_transfer_params), first, block_ids[first:last])
 
 

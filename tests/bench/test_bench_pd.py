@@ -43,20 +43,23 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     assert proc.returncode == 0, out[-5000:]
     assert not marked_pids(marker), "bench pd left processes behind"
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
-    assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default")
-                                                     for q in (4.0, 16.0)}
+    assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default",
+                                                                                "first-token") for q in (4.0, 16.0)}
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in rows)
     for r in rows:
         if r["arm"] == "strict":
             assert r["non_full_reasons"].get("prefill", 0) > 0, r
-        if r["arm"] == "default":
+        if r["arm"] in ("default", "first-token"):
             assert r["non_full_steps"] == 0 and r["full_steps"] > 0, r
-        if r["arm"] != "collocated":  # the router's TTFT split came along
+        if r["arm"] in ("strict", "default"):  # the router's TTFT split came along
             assert {"prefill", "kv_transfer", "decode_queue", "total"} <= set(r["router_ttft_split_ms"]), r
+        if r["arm"] == "first-token":  # the first token is P's: the transfer and D are not in the TTFT
+            assert {"prefill", "first_token_from_prefill", "total"} <= set(r["router_ttft_split_ms"]), r
+            assert "kv_transfer" not in r["router_ttft_split_ms"], r
     table = (tmp_path / "table.txt").read_text()
     assert table in out and "device=cpu" in table
     data_lines = [line for line in table.splitlines() if line.startswith("48/12")]
-    for label in ("collocated", "1P1D strict", "1P1D default"):
+    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token"):
         assert sum(f" {label} " in line for line in data_lines) == 2, table
     assert (tmp_path / "bench_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --ignore-eos: the router and a single server count the same tokens for every request

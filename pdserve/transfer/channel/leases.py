@@ -23,14 +23,26 @@ from pdserve.transfer.channel.proof import prompt_hash  # noqa: F401  (re-export
 logger = logging.getLogger("pdserve.transfer")
 
 
+def sends_first_token(config, req) -> bool:
+    """P: `req`'s first token goes to D with its KV (the router asked, or the node's pd_first_token is "prefill"),
+    so the lease covers all n prompt tokens; otherwise D replays the last one and n - 1 cross."""
+    return req.hands_off_first_token or getattr(config, "pd_first_token", "replay") == "prefill"
+
+
+def num_leased_tokens(config, req) -> int:
+    """P: the prompt tokens whose KV a lease on `req` hands over (0: nothing, D prefills it itself)."""
+    return req.num_prompt_tokens - (0 if sends_first_token(config, req) else 1)
+
+
 def leased_params(config, port: int, tid: str, req, block_ids: list[int], block_size: int, **extra) -> dict:
-    """The kv_transfer_params a producer answers for `req`'s lease `tid` (the engine signs them): where D dials,
-    what it reads, and for how long P holds it (seconds left, never an absolute time)."""
+    """The kv_transfer_params a producer answers for `req`'s lease `tid` (the engine adds the first token, when it
+    goes too, and signs them): where D dials, what it reads, and for how long P holds it (seconds left, never an
+    absolute time)."""
     n = req.num_prompt_tokens
     return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
             "remote_engine_id": config.engine_id, "remote_request_id": req.request_id,
             "remote_host": config.kv_advertise_host or config.kv_host, "remote_port": port,
-            "remote_block_ids": list(block_ids[:cdiv(n - 1, block_size)]),
+            "remote_block_ids": list(block_ids[:cdiv(num_leased_tokens(config, req), block_size)]),
             "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
             "lease_seconds": config.kv_lease_seconds, **extra}
 

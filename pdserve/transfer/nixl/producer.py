@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params
+from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params, num_leased_tokens
 from pdserve.transfer.nixl.consumer import NAME
 from pdserve.transfer.channel.blocks import TransferStats
 from pdserve.transfer.channel.control import ControlServer
@@ -101,8 +101,8 @@ class NixlProducer:
             self._unclaim(tid, who)
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        params, n = req.kv_transfer_params or {}, req.num_prompt_tokens
-        if not params.get("do_remote_decode") or n < 2 or req.status not in (RequestStatus.FINISHED_STOPPED,
+        params, n = req.kv_transfer_params or {}, num_leased_tokens(self.config, req)
+        if not params.get("do_remote_decode") or n < 1 or req.status not in (RequestStatus.FINISHED_STOPPED,
                                                                              RequestStatus.FINISHED_LENGTH):
             return False, None
         tid = self.leases.open(req.request_id, block_ids)

@@ -2,7 +2,8 @@
 
 Consumer (D) lifecycle of a request:
 1. `get_num_new_matched_tokens` checks the params (peer in `kv_peers`, prompt length, prompt hash against D's own
-   token ids) and offers the n - 1 prompt tokens beyond D's own prefix-cache hit;
+   token ids) and offers the prompt tokens P hands over (n - 1, or all n with P's first token) beyond D's own
+   prefix-cache hit;
 2. the scheduler allocates blocks (for the replay's token too), parks the request in WAITING_FOR_REMOTE_KV (no
    token budget spent) and `update_state_after_alloc` queues the load; short of blocks, it keeps its place in the
    queue while `lease_time_left` lasts (P's `lease_seconds` from the request's arrival here, x0.9 for the hop),
@@ -111,10 +112,11 @@ class TcpConsumer:
             if peer_ok:  # a peer this side may dial: tell it to free the lease now (never dial one outside kv_peers)
                 self._queued.append(LoadJob(req.request_id, dict(p), 0, []))
             return 0
-        if num_local_computed >= n - 1:  # all cached here: nothing to pull, but P must hear `done` to free its
+        m = req.num_importable_tokens
+        if num_local_computed >= m:  # all cached here: nothing to pull, but P must hear `done` to free its
             self._queued.append(LoadJob(req.request_id, dict(p), 0, []))  # lease now, not at expiry (as vLLM's Nixl)
             return 0
-        return n - 1 - num_local_computed
+        return m - num_local_computed
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
         """`block_ids` empty: the lease ran out while blocks were short and D prefills locally; only P's lease is

@@ -20,7 +20,7 @@ import logging
 from typing import Callable, Optional
 
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params
+from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params, num_leased_tokens
 from pdserve.transfer.channel.blocks import KVBlocks, TransferStats
 from pdserve.transfer.channel.control import ControlServer, Deadline
 
@@ -70,8 +70,7 @@ class TcpProducer:
         if not params.get("do_remote_decode") or req.status not in (RequestStatus.FINISHED_STOPPED,
                                                                     RequestStatus.FINISHED_LENGTH):
             return False, None
-        n = req.num_prompt_tokens
-        if n < 2:  # nothing to hand over: D prefills a one-token prompt itself
+        if num_leased_tokens(self.config, req) < 1:  # nothing to hand over: D prefills a one-token prompt itself
             return False, None
         tid = self.leases.open(req.request_id, block_ids)
         return True, leased_params(self.config, self.port, tid, req, block_ids, self.block_size)

@@ -1,0 +1,116 @@
+"""The first token from P over HTTP: P, D and a collocated server (float64) behind `pdserve router --pd-first-token
+prefill`. Completions and chat, streamed and whole, greedy and seeded, with logprobs, equal the collocated server's
+answers; a stop string across the first token's text; a first token that ends the request never reaches D; D's
+first step is a decode (no prefill row even under the strict rule, where a replay is one); every pool whole at the
+end."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, wait_pools_whole
+
+COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+
+
+@pytest.fixture(scope="module")
+def dep(qwen3_tiny):
+    kv_port = free_port()
+    s = {"P": ServerProcess(qwen3_tiny, *COMMON, "--kv-transfer-config", kv_config("kv_producer", kv_port=kv_port)),
+         # strict: a replay of the last prompt token would count as a prefill step here, a decode of P's token not
+         "D": ServerProcess(qwen3_tiny, *COMMON, "--full-graph-rule", "strict", "--kv-transfer-config",
+                            kv_config("kv_consumer", kv_peers=[f"127.0.0.1:{kv_port}"])),
+         "C": ServerProcess(qwen3_tiny, *COMMON)}
+    router = None
+    try:
+        for srv in s.values():
+            srv.wait_healthy()
+        router = RouterProcess([s["P"].url], [s["D"].url], "--pd-first-token", "prefill")
+        router.wait_healthy()
+        s["R"] = router
+        yield s
+    finally:
+        if router is not None:
+            router.cleanup()
+        for srv in ("P", "D", "C"):
+            s[srv].cleanup()
+
+
+def ask(url, chat, stream, **extra):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "qwen3-tiny-s0", "max_tokens": 10, "stream": stream, **extra}
+    body |= {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+    if not stream:
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        text = c["message"]["content"] if chat else c["text"]
+        lp = c.get("logprobs")
+        entries = (lp or {}).get("content") if chat else (lp or {}).get("token_logprobs")
+        return text, c["finish_reason"], entries
+    text, fr, entries, roles = "", None, [], 0
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            for c in obj["choices"]:
+                if chat:
+                    roles += "role" in c["delta"]
+                    text += c["delta"].get("content") or ""
+                    entries += (c.get("logprobs") or {}).get("content") or []
+                else:
+                    text += c["text"]
+                    entries += (c.get("logprobs") or {}).get("token_logprobs") or []
+                fr = c.get("finish_reason") or fr
+    assert roles == (1 if chat else 0)
+    return text, fr, entries or None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=42, logprobs=2),
+                                      dict(temperature=0.8, seed=7, presence_penalty=0.6, min_tokens=3)])
+def test_router_first_token_equals_collocated(dep, chat, stream, sampling):
+    if chat and "logprobs" in sampling:
+        sampling = {**sampling, "logprobs": True, "top_logprobs": 2}
+    want = ask(dep["C"].url, chat, False, **sampling)
+    got = ask(dep["R"].url, chat, stream, **sampling)
+    assert got == want
+
+
+def test_stop_string_across_the_first_token_streamed(dep):
+    tok = httpx.post(dep["C"].url + "/tokenize", json={"model": "qwen3-tiny-s0", "prompt": PROMPT}).json()
+    assert tok["tokens"]
+    plain = httpx.post(dep["C"].url + "/v1/completions", json={"model": "qwen3-tiny-s0", "prompt": PROMPT,
+                                                               "max_tokens": 4, "temperature": 0,
+                                                               "return_token_ids": True}, timeout=60).json()
+    ids = plain["choices"][0]["token_ids"]
+    texts = [httpx.post(dep["C"].url + "/detokenize", json={"model": "qwen3-tiny-s0", "tokens": [t]}).json()["prompt"]
+             for t in ids[:2]]
+    if not (texts[0] and texts[1]):
+        pytest.skip("the first two tokens need text for this oracle")
+    stop = texts[0][-1] + texts[1][0]
+    want = ask(dep["C"].url, False, False, temperature=0, stop=[stop])
+    assert ask(dep["R"].url, False, True, temperature=0, stop=[stop]) == want
+
+
+def test_first_token_that_ends_it_never_reaches_d(dep):
+    before = metric(dep["D"].url, "vllm:request_success_total")
+    for stream in (False, True):
+        want = ask(dep["C"].url, False, False, temperature=0, max_tokens=1)
+        assert ask(dep["R"].url, False, stream, temperature=0, max_tokens=1) == want
+    assert metric(dep["D"].url, "vllm:request_success_total") == before
+
+
+def test_zz_d_ran_no_prefill_row_and_pools_whole(dep):
+    m = httpx.get(dep["D"].url + "/metrics", timeout=10).text
+    prefill_rows = [line for line in m.splitlines() if "reason=\"prefill\"" in line and not line.startswith("#")]
+    assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in prefill_rows), prefill_rows
+    assert metric(dep["D"].url, "pdserve_cudagraph_steps_total", mode="FULL") > 0
+    wait_pools_whole(dep["P"], dep["D"], dep["C"])

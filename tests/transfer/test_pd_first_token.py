@@ -38,9 +38,9 @@ def pd(qwen3_tiny):
     d.engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def pd_spec(qwen3_tiny):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda k: f"K{k}")
+def pd_spec(qwen3_tiny, request):
+    spec = {"method": "ngram", "num_speculative_tokens": request.param, "prompt_lookup_max": 3}
     p = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), **ENGINE)
     d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0), speculative_config=spec,
             **ENGINE)

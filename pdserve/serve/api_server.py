@@ -31,7 +31,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError, install_error_handlers
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
-from pdserve.serve.prompts import ModelInfo
+from pdserve.serve.prompts import CHARS_PER_TOKEN, ModelInfo
 from pdserve.serve.protocol import parse_json_body
 from pdserve.serve.request_context import RequestContextMiddleware, configure_logging, exit_cleanly_after_signals
 from pdserve.serve.server_config import ServerConfig
@@ -48,6 +48,7 @@ class ServerState:
         self.cfg = cfg
         self.model_dir = engine_config.model.model
         self.cache_config = engine_config.cache
+        self.max_num_seqs = engine_config.scheduler.max_num_seqs
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)
@@ -82,9 +83,10 @@ class ServerState:
         info = self.engine.info
         # EngineInfo counts the usable blocks; vLLM's num_gpu_blocks is the pool's, its null block included
         self.metrics.engine_ready(info.max_model_len, self.cache_config, info.num_blocks + 1)
-        self.serving = OpenAIServing(self.engine, ModelInfo(self.names, self.tokenizer, info.vocab_size,
-                                                            info.max_model_len, self.generation_config,
-                                                            info.has_kv_connector))
+        self.serving = OpenAIServing(self.engine, ModelInfo(
+            self.names, self.tokenizer, info.vocab_size, info.max_model_len, self.generation_config,
+            info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
+            self.cfg.max_waiting, self.max_num_seqs))
         logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s", info.max_model_len,
                     info.num_blocks, info.device, self.cfg.engine_backend)
         await self.engine.wait_died()

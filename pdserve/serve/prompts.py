@@ -18,7 +18,27 @@ class ModelInfo:
     max_model_len: int
     generation_config: dict
     has_kv_connector: bool = False
+    # the limits checked before any tokenization or rendering (see ServerState.on_engine_ready)
+    max_prompt_chars: int = 2**62
+    max_prompts: int = 2**62  # prompts in one batch: --max-waiting, more could never be queued together
+    max_num_seqs: int = 2**62  # bounds `n`
 
+
+CHARS_PER_TOKEN = 32  # the default --max-prompt-chars is this many per token of max_model_len
+
+
+def too_long(n_tokens: int, where: str, info: ModelInfo):
+    return bad_request(f"the {where} has {n_tokens} tokens but the context length (max_model_len) is "
+                       f"{info.max_model_len}", "prompt")
+
+
+def check_chars(n_chars: int, info: ModelInfo, where: str, param: str, unit: str = "characters") -> None:
+    """Refuses text too long to tokenize: checked before the tokenizer (or a chat template) sees it, since its work
+    grows with the text while the context stays max_model_len tokens."""
+    if n_chars > info.max_prompt_chars:
+        raise bad_request(f"{where}: {n_chars} {unit} is more than this server tokenizes for one prompt "
+                          f"({info.max_prompt_chars}, --max-prompt-chars; the context is {info.max_model_len} "
+                          "tokens)", param)
 
 
 def check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
@@ -30,11 +50,32 @@ def check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
     return list(ids)
 
 
-def completion_prompts(prompt: Any, info: ModelInfo, special: bool) -> list[tuple[list[int], Optional[str]]]:
-    """(ids, text) per prompt: a string, a list of token ids, or a batch (a list of several of those), as vLLM's."""
+def completion_prompts(prompt: Any, info: ModelInfo, special: bool, keep: Optional[int] = None,
+                       side: Optional[str] = None) -> list[tuple[list[int], Optional[str]]]:
+    """(ids, text) per prompt: a string, a list of token ids, or a batch (a list of several of those), as vLLM's.
+    `keep`, `side`: truncate_prompt_tokens and truncation_side, applied here to lists of ids (before their ids are
+    checked one by one), by truncated() to text once tokenized."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return [_one_prompt(p, info, f"prompt[{j}]", special) for j, p in enumerate(prompt)]
-    return [_one_prompt(prompt, info, "prompt", special)]
+        if len(prompt) > info.max_prompts:
+            raise bad_request(f"prompt: a batch of {len(prompt)} prompts is more than this server ever queues "
+                              f"(--max-waiting {info.max_prompts})", "prompt")
+        checked = [_checked_size(p, info, f"prompt[{j}]", keep, side) for j, p in enumerate(prompt)]
+        return [_one_prompt(p, info, f"prompt[{j}]", special) for j, p in enumerate(checked)]
+    return [_one_prompt(_checked_size(prompt, info, "prompt", keep, side), info, "prompt", special)]
+
+
+def _checked_size(prompt: Any, info: ModelInfo, where: str, keep: Optional[int], side: Optional[str]) -> Any:
+    """The prompt, a list of ids cut to `keep`, once its size could fit: every prompt of a batch is sized before
+    the first is tokenized."""
+    if isinstance(prompt, str):
+        check_chars(len(prompt), info, where, "prompt")
+    elif isinstance(prompt, list):
+        keep = info.max_model_len if keep == -1 else keep
+        if keep and len(prompt) > keep:
+            prompt = prompt[:keep] if side == "right" else prompt[-keep:]
+        if len(prompt) >= info.max_model_len:  # cannot fit, whatever its ids: refused before they are walked
+            raise too_long(len(prompt), where, info)
+    return prompt
 
 
 def _one_prompt(prompt: Any, info: ModelInfo, where: str, special: bool) -> tuple[list[int], Optional[str]]:
@@ -52,7 +93,9 @@ def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple
     msgs = req.messages
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
-    conv = []
+    # sized before one message is looked at: the template renders them all, and their text is then tokenized
+    check_chars(len(msgs), info, "messages", "messages", "messages (each counts one)")
+    conv, chars = [], 0
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -72,6 +115,8 @@ def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple
             content = "".join(parts)
         elif not isinstance(content, str):
             raise bad_request(f"{where}.content: must be a string or a list of text parts", f"{where}.content")
+        chars += len(content) + 1
+        check_chars(chars, info, "messages", "messages")
         conv.append({**m, "content": content})
     kwargs = dict(req.chat_template_kwargs or {})
     if "chat_template" in kwargs:  # a template is code the server would run, on its event loop: as the top-level

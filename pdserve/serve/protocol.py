@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.serve.errors import APIError, bad_request
-from pdserve.serve.prompts import ModelInfo, chat_prompt, check_token_ids, completion_prompts, truncated
+from pdserve.serve.prompts import ModelInfo, chat_prompt, check_token_ids, completion_prompts, too_long, truncated
 
 logger = logging.getLogger("pdserve.serve")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
@@ -212,8 +212,7 @@ def _check_context(n_prompt: int, params: SamplingParams, info: ModelInfo, max_t
     if n_prompt == 0:
         raise bad_request(f"{where} is empty", "prompt")
     if n_prompt >= info.max_model_len:
-        raise bad_request(f"the {where} has {n_prompt} tokens but the context length (max_model_len) is "
-                          f"{info.max_model_len}", "prompt")
+        raise too_long(n_prompt, where, info)
     if params.max_tokens is not None and n_prompt + params.max_tokens > info.max_model_len:
         raise bad_request(f"the {where} ({n_prompt} tokens) plus {max_tokens_name} ({params.max_tokens}) is "
                           f"{n_prompt + params.max_tokens} tokens, over the context length (max_model_len "
@@ -225,11 +224,16 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     req = _validate(CompletionRequest if kind == "completion" else ChatRequest, data)
     model = _check_model(req, info)
     _unsupported(req)
+    if req.n is not None and req.n > info.max_num_seqs:  # its choices run as n requests: more than one step's
+        # batch holds would let one request take over the queue that every client shares
+        raise bad_request(f"n: {req.n} choices are more than this server runs at once (--max-num-seqs "
+                          f"{info.max_num_seqs})", "n")
     if req.kv_transfer_params is not None and not info.has_kv_connector:
         raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
                           "config to take part in P/D)", "kv_transfer_params")
     if kind == "completion":
-        prompts = truncated(completion_prompts(req.prompt, info, req.add_special_tokens is not False),
+        prompts = truncated(completion_prompts(req.prompt, info, req.add_special_tokens is not False,
+                                               req.truncate_prompt_tokens, req.truncation_side),
                             req.truncate_prompt_tokens, req.truncation_side, info)
         max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs = req.logprobs

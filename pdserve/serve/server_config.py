@@ -23,6 +23,12 @@ class ServerConfig:
     log_level: LogLevel = _f("info", "Log level of pdserve and uvicorn.")
     max_waiting: int = _f(1024, "Most queued requests (accepted, no token produced yet); more are refused with 503.")
     max_body_bytes: int = _f(16 * 2**20, "Largest request body in bytes; larger ones are refused with 413.")
+    max_prompt_chars: Optional[int] = _f(None, "Longest text prompt in characters (a completions prompt, each of a "
+                                               "batch, /tokenize's, or a chat's messages: their text plus one per "
+                                               "message); longer ones are refused with 400 before they are "
+                                               "tokenized. Default: 32 x max_model_len (text averages far fewer "
+                                               "characters a token, so a longer prompt cannot fit the context "
+                                               "unless truncate_prompt_tokens cuts it).")
     shutdown_timeout: float = _f(30.0, "On SIGTERM/SIGINT, seconds to let in-flight requests finish before they "
                                        "are aborted.")
     engine_stall_timeout: float = _f(30.0, "/health answers 503 once the engine loop has left a liveness ping "
@@ -45,6 +51,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.shutdown_timeout >= 0:  # NaN too: the drain would fail at SIGTERM

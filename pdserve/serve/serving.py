@@ -62,7 +62,10 @@ class OpenAIServing:
 
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
         try:
-            greqs = to_generation_requests(kind, data, self.info)
+            # on a worker thread: chat templating and tokenizing take time that grows with the text, which would
+            # stall every other request's stream on the event loop (the Rust tokenizer lets the GIL go; asyncio's
+            # to_thread keeps the request id's context for the log lines)
+            greqs = await asyncio.to_thread(to_generation_requests, kind, data, self.info)
             greq = greqs[0]
             if greq.unknown_fields:  # what routers add to every request is no news: a debug line, not a warning
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]

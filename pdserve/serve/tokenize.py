@@ -5,17 +5,19 @@
 `{"prompt": text}`. The chat form is rendered by the very code /v1/chat/completions uses, and the completion form
 is tokenized as /v1/completions tokenizes a string prompt (with the tokenizer's special tokens by default), so a
 client's count is the prompt_tokens its generation request will report. Bodies are validated as strictly as the
-generation routes' (a 400 naming the field); no length limit applies, since nothing is generated.
+generation routes' (a 400 naming the field); no token limit applies, since nothing is generated, but the text
+limit does (--max-prompt-chars: it bounds the tokenizer's work). Both run on a worker thread, off the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 
 from pdserve.serve.errors import bad_request
-from pdserve.serve.prompts import ModelInfo, chat_prompt, check_token_ids
+from pdserve.serve.prompts import ModelInfo, chat_prompt, check_chars, check_token_ids
 from pdserve.serve.protocol import _check_model, _Strict, _validate
 
 logger = logging.getLogger("pdserve.serve")
@@ -72,6 +74,7 @@ def tokenize(data: dict, info: ModelInfo) -> dict:
     elif "prompt" in data:
         req = _validate(TokenizeCompletionRequest, data)
         _check_model(req, info)
+        check_chars(len(req.prompt), info, "prompt", "prompt")
         ids = info.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
     else:
         raise bad_request("prompt (text) or messages (chat) is required", "prompt")
@@ -94,9 +97,9 @@ def add_tokenize_routes(app: FastAPI, model_info: Callable[[], ModelInfo], read_
     @app.post("/tokenize", dependencies=dependencies)
     async def tokenize_route(request: Request):
         info = model_info()
-        return tokenize(await read_body(request), info)
+        return await asyncio.to_thread(tokenize, await read_body(request), info)
 
     @app.post("/detokenize", dependencies=dependencies)
     async def detokenize_route(request: Request):
         info = model_info()
-        return detokenize(await read_body(request), info)
+        return await asyncio.to_thread(detokenize, await read_body(request), info)

@@ -62,17 +62,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from pdserve.router.first_token import FirstToken, Splice
 from pdserve.router.nodes import Fleet, Node, error_of
 from pdserve.router.relay import DONE, error, relay_answer
 from pdserve.router.timing import TtftSplit
+from pdserve.serve.body import read_body
+from pdserve.serve.errors import APIError
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
 from pdserve.transfer.channel.proof import NOT_VERIFIED
 
 logger = logging.getLogger("pdserve.router")
 STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")
+MAX_BODY_BYTES = 16 * 2 ** 20  # as `pdserve serve`'s
 PD_REFUSAL_HOLD = 30.0  # s a P that refused the P/D prefill itself is passed over while another P is left
 
 
@@ -95,6 +97,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class Router(Fleet):
+    max_body_bytes = MAX_BODY_BYTES  # --max-body-bytes: bodies are read as they stream in, up to this
+
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
                  timeout: float = 600.0, pd_first_token: str = "replay"):
         super().__init__(prefill, decode, policy, health_interval, timeout)
@@ -189,11 +193,11 @@ class Router(Fleet):
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request, self.max_body_bytes, "router"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"request body is not valid JSON: {e}")
-        except ClientDisconnect:  # gone before its body was in: nothing was sent anywhere
-            return Response(status_code=499)
+        except APIError as e:  # over --max-body-bytes (never read whole), or gone before its body was in
+            return error(e.status, e.message) if e.status != 499 else Response(status_code=499)
         if not isinstance(body, dict):
             return error(400, "request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes
@@ -384,8 +388,11 @@ def build_app(router: Router) -> FastAPI:
             return error(503, "no healthy decode node", "service_unavailable")
         headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type", "x-request-id")}
         try:
-            r = await router.client.request(request.method, node.url + path, content=await request.body(),
+            r = await router.client.request(request.method, node.url + path,
+                                            content=await read_body(request, router.max_body_bytes, "router"),
                                             headers=headers)
+        except APIError as e:  # the body's limit, as on the generation routes
+            return error(e.status, e.message) if e.status != 499 else Response(status_code=499)
         except httpx.HTTPError as e:
             return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type", "application/json"))

@@ -29,6 +29,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "samples the first token with the request's own params and the router streams it to the "
                         "client as soon as P answers; D imports all prompt KV and decodes from that token (lower "
                         "TTFT). A first token that ends the request is answered by P alone.")
+    p.add_argument("--max-body-bytes", type=int, default=_router.MAX_BODY_BYTES,
+                   help="Largest request body in bytes; a larger one is refused with 413 before it is read whole "
+                        "or sent to a node (default: 16 MiB, as pdserve serve's).")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
                    help="Log level (default: info).")
 
@@ -40,6 +43,8 @@ def check_router_args(args) -> None:
         raise ValueError("--host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 0 < args.health_interval < float("inf"):
         raise ValueError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
     for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
@@ -73,6 +78,7 @@ def run_router(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval,
                             pd_first_token=args.pd_first_token)
+    router.max_body_bytes = args.max_body_bytes
     exit_cleanly_after_signals()  # as `pdserve serve`: 0 after a clean SIGTERM, not 143
     uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

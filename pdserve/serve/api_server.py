@@ -22,12 +22,12 @@ from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
 import pdserve
 from pdserve.model.loader import check_model_dir, read_json_file
 from pdserve.sampling_params import SamplingParams
 from pdserve.serve.async_engine import AsyncEngine
+from pdserve.serve.body import DRAIN_SLACK, read_body
 from pdserve.serve.errors import APIError, install_error_handlers
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -39,7 +39,7 @@ from pdserve.serve.serving import OpenAIServing
 from pdserve.serve.tokenize import add_tokenize_routes
 
 logger = logging.getLogger("pdserve.serve")
-_DRAIN_SLACK = 2 ** 20 * 8  # bytes of an oversized body still read (and dropped) so the client sees the 413
+_DRAIN_SLACK = DRAIN_SLACK
 
 
 class ServerState:
@@ -98,23 +98,7 @@ class ServerState:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    too_big = APIError(413, f"request body is larger than the server's limit of {limit} bytes (--max-body-bytes)")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + _DRAIN_SLACK:
-        raise too_big
-    body, size = bytearray(), 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                body += chunk
-            elif size > limit + _DRAIN_SLACK:
-                break
-    except ClientDisconnect:  # gone before its body was in: nobody reads the answer, and it is not our fault
-        raise APIError(499, "the client went away before its request body was read") from None
-    if size > limit:
-        raise too_big
-    return parse_json_body(bytes(body))
+    return parse_json_body(await read_body(request, limit))
 
 
 def build_app(state: ServerState) -> FastAPI:

@@ -34,6 +34,13 @@ from pdserve.transfer.channel.protocol import TIMEOUTS, Session, tune
 logger = logging.getLogger("pdserve.transfer")
 IDLE_SECONDS = 60.0  # P closes a session idle this long; D reuses one idle for at most half of it
 MAX_AGE = 600.0  # D retires a session this old; P closes one at twice it
+# P's caps: each connection is a thread, and before its handshake anyone may open one. A D keeps at most 4 sessions
+# per P (channel/pool.py) and dials at most 8 at once (its loaders and lease checks), so these leave room for
+# dozens of Ds while a flood of connections costs P bounded threads; past a cap a connection is closed at once.
+MAX_CONNECTIONS = 256  # in all (kv_connector_extra_config.max_connections)
+MAX_HANDSHAKES = 64  # not yet authenticated, in all
+MAX_HANDSHAKES_PER_HOST = 16  # not yet authenticated, from one peer address: one host cannot take every slot
+HANDSHAKE_SECONDS = 3.0  # most an unauthenticated connection is kept (a real handshake takes milliseconds)
 
 
 class _Watchdog:
@@ -142,11 +149,14 @@ class ControlServer:
 
     def __init__(self, host: str, port: int, token: bytes, compat: dict, ops: dict, *, handshake_timeout: float,
                  wait_timeout: float, tls: Optional[ssl.SSLContext] = None, idle_seconds: float = IDLE_SECONDS,
-                 max_age: float = 2 * MAX_AGE, nice: int = 0, count: Callable[[str], None] = lambda cause: None):
+                 max_age: float = 2 * MAX_AGE, nice: int = 0, count: Callable[[str], None] = lambda cause: None,
+                 max_connections: Optional[int] = None):
         self.token, self.compat, self.ops, self.tls, self.count = token, compat, ops, tls, count
         self.handshake_timeout, self.wait_timeout, self.idle_seconds, self.max_age = \
             handshake_timeout, wait_timeout, idle_seconds, max_age
         self.nice, self.handshakes, self._live, self._lock = nice, 0, set(), threading.Lock()
+        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
+        self.connections, self._pending, self._warned = 0, {}, {}  # open; in their handshake, by peer address
         self._srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -162,15 +172,45 @@ class ControlServer:
     def _accept_loop(self) -> None:
         while not self._closing.is_set():
             try:
-                conn, _ = self._srv.accept()
+                conn, addr = self._srv.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="kv-conn", daemon=True).start()
+            host = addr[0]
+            with self._lock:
+                refused = "connection_limit" if self.connections >= self.max_connections else \
+                    "handshake_limit" if sum(self._pending.values()) >= MAX_HANDSHAKES or \
+                    self._pending.get(host, 0) >= MAX_HANDSHAKES_PER_HOST else None
+                if refused is None:
+                    self.connections += 1
+                    self._pending[host] = self._pending.get(host, 0) + 1
+            if refused is not None:
+                conn.close()
+                self._refused(refused, host)
+                continue
+            threading.Thread(target=self._serve, args=(conn, host), name="kv-conn", daemon=True).start()
+
+    def _refused(self, cause: str, host: str) -> None:
+        self.count(cause)
+        now = time.monotonic()
+        if now - self._warned.get(cause, -60.0) >= 60.0:  # once a minute: a flood must not flood the log too
+            self._warned[cause] = now
+            what = f"{self.max_connections} connections in all (kv_connector_extra_config.max_connections)" \
+                if cause == "connection_limit" else \
+                f"{MAX_HANDSHAKES} handshakes in all or {MAX_HANDSHAKES_PER_HOST} from one address"
+            logger.warning("KV server: a connection from %s refused: already %s (further refusals are counted in "
+                           "pdserve_kv_transfer_failures_total{reason=%r})", host, what, cause)
+
+    def _handshake_over(self, host: str) -> None:
+        with self._lock:
+            self._pending[host] -= 1
+            if not self._pending[host]:
+                del self._pending[host]
 
     def _handshake(self, socks: list) -> Session:
         """`socks`: the connection, and its TLS wrapper once made (closing both is the caller's)."""
         conn = socks[0]
-        deadline = Deadline(self.handshake_timeout, conn)  # before authentication anyone may connect
+        # before authentication anyone may connect: it holds a thread for seconds at most
+        deadline = Deadline(min(self.handshake_timeout, HANDSHAKE_SECONDS), conn)
         try:
             if self.tls is not None:
                 conn = deadline.sock = self.tls.wrap_socket(conn, server_side=True)
@@ -186,17 +226,21 @@ class ControlServer:
             raise TimeoutError("handshake deadline")
         return session
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, host: str) -> None:
         try:  # Linux: this thread only. When it competes with P's engine for a core, the engine keeps its share.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         except (OSError, AttributeError):
             pass
-        socks = [conn]
+        socks, pending = [conn], True
         with self._lock:
             self._live.add(conn)
         try:
             tune(conn, self.wait_timeout)  # each wait inside an operation
-            session = self._handshake(socks)
+            try:
+                session = self._handshake(socks)
+            finally:
+                pending = False
+                self._handshake_over(host)
             with self._lock:
                 self.handshakes += 1
             idle = select.poll()
@@ -222,10 +266,13 @@ class ControlServer:
             self.count(type(e).__name__)
             logger.warning("KV connection refused or broken: %s: %s", type(e).__name__, e)
         finally:
+            if pending:  # tune() failed before the handshake began
+                self._handshake_over(host)
             for sock in reversed(socks):  # the TLS wrapper owns the descriptor; the plain socket is then detached
                 sock.close()
             with self._lock:
                 self._live.difference_update(socks)
+                self.connections -= 1
 
     def close(self) -> None:
         """Stop listening and end every session (the ones mid-operation fail on their peer's side)."""

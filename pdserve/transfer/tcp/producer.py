@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params, num_leased_tokens
 from pdserve.transfer.channel.blocks import KVBlocks, TransferStats
-from pdserve.transfer.channel.control import ControlServer, Deadline
+from pdserve.transfer.channel.control import MAX_CONNECTIONS, ControlServer, Deadline
 
 logger = logging.getLogger("pdserve.transfer")
 
@@ -37,7 +37,7 @@ class TcpProducer:
             tls=config.tls_server_context(), handshake_timeout=config.kv_transfer_timeout,
             wait_timeout=max(5.0, config.kv_lease_seconds),  # a wait between frames inside an operation
             idle_seconds=float(extra.get("session_idle_seconds", 60.0)), nice=config.kv_server_nice,
-            count=stats.count)
+            count=stats.count, max_connections=int(extra.get("max_connections", MAX_CONNECTIONS)))
         self.port = self.server.port
         logger.info("KV server listening on %s:%d", config.kv_host, self.port)
 

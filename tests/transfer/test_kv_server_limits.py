@@ -1,0 +1,119 @@
+"""Issue 37: P's KV server (channel/control.py's ControlServer) gave every connection a thread of its own, with no
+cap, and let an unauthenticated one hold it for the whole handshake timeout (kv_transfer_timeout, 10 s by default).
+Now connections past the caps (in all; in the handshake, in all and per peer address) are closed at once and
+counted, an unauthenticated one is cut off after a few seconds, and an authenticated peer still gets in once the
+silent ones are gone."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from pdserve.transfer.channel import control
+from pdserve.transfer.channel.control import ControlServer, dial
+from pdserve.transfer.channel.protocol import ProtocolError
+
+TOKEN, COMPAT = b"limits-token", {"model": "m"}
+
+
+@pytest.fixture
+def server():
+    counted: list[str] = []
+    lock = threading.Lock()
+
+    def count(cause):
+        with lock:
+            counted.append(cause)
+    srv = ControlServer("127.0.0.1", 0, TOKEN, COMPAT, {"ping": lambda s, h: s.send({"status": "ok"})},
+                        handshake_timeout=10.0, wait_timeout=10.0, count=count)  # 10 s: kv_transfer_timeout's default
+    srv.counted = counted
+    yield srv
+    srv.close()
+
+
+def silent(port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """`n` connections that never say a word (a scanner, or a peer holding slots)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+        s.settimeout(15.0)
+        out.append(s)
+    return out
+
+
+def closed_by_server(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except (ConnectionResetError, TimeoutError, socket.timeout):
+        return False
+
+
+def kv_threads() -> int:
+    return sum(t.name == "kv-conn" and t.is_alive() for t in threading.enumerate())
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def ping(port: int) -> dict:
+    s = dial("127.0.0.1", port, TOKEN, COMPAT, time.monotonic() + 10)
+    try:
+        s.send({"op": "ping"})
+        return s.recv(into=[])[0]
+    finally:
+        s.close()
+
+
+def test_unauthenticated_connections_are_capped_per_peer_and_in_all(server):
+    base = kv_threads()
+    per_host, total = control.MAX_HANDSHAKES_PER_HOST, control.MAX_HANDSHAKES
+    socks = silent(server.port, per_host + 5)  # one peer address: past its own cap
+    # the ones past the peer's cap are closed at once, without a thread
+    wait_for(lambda: server.counted.count("handshake_limit") == 5)
+    assert sum(closed_by_server(s) for s in socks[per_host:]) == 5
+    assert kv_threads() - base <= per_host
+    # other peer addresses (all of 127/8 is loopback) fill the server-wide cap, and no more
+    for i in range(2, 2 + total // per_host + 1):
+        socks += silent(server.port, per_host, f"127.0.0.{i}")
+    wait_for(lambda: server.counted.count("handshake_limit") >= 5 + per_host)
+    assert kv_threads() - base <= total
+    for s in socks:
+        s.close()
+
+
+def test_an_unauthenticated_connection_is_cut_off_quickly_and_a_real_peer_gets_in(server):
+    socks = silent(server.port, control.MAX_HANDSHAKES_PER_HOST)
+    t0 = time.monotonic()
+    assert closed_by_server(socks[0])
+    took = time.monotonic() - t0
+    assert took < control.HANDSHAKE_SECONDS + 2.0, took  # not the 10 s of kv_transfer_timeout
+    assert all(closed_by_server(s) for s in socks[1:])
+    assert ping(server.port) == {"status": "ok"}
+    assert "handshake_limit" not in server.counted
+
+
+def test_authenticated_sessions_are_capped_too(monkeypatch):
+    monkeypatch.setattr(control, "MAX_CONNECTIONS", 6)
+    counted: list[str] = []
+    srv = ControlServer("127.0.0.1", 0, TOKEN, COMPAT, {"ping": lambda s, h: s.send({"status": "ok"})},
+                        handshake_timeout=10.0, wait_timeout=10.0, count=counted.append)
+    try:
+        sessions = [dial("127.0.0.1", srv.port, TOKEN, COMPAT, time.monotonic() + 10) for _ in range(6)]
+        with pytest.raises((ProtocolError, OSError)):  # closed at once: D's load fails, and falls back
+            dial("127.0.0.1", srv.port, TOKEN, COMPAT, time.monotonic() + 5)
+        assert counted == ["connection_limit"]
+        sessions.pop().close()
+        wait_for(lambda: srv.connections < 6)
+        sessions.append(dial("127.0.0.1", srv.port, TOKEN, COMPAT, time.monotonic() + 10))
+        for s in sessions:
+            s.close()
+    finally:
+        srv.close()

@@ -37,6 +37,10 @@ def _check_types(d: dict) -> None:
         raise ValueError(f"kv_transfer_config.kv_server_nice must be an integer, got {nice!r}")
     if not isinstance(d.get("kv_connector_extra_config", {}), dict):
         raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
+    cap = d.get("kv_connector_extra_config", {}).get("max_connections", 1)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:  # P's KV server: a bad cap would refuse every D
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.max_connections must be an integer >= 1, "
+                         f"got {cap!r}")
     kids = d.get("connectors", [])
     if not isinstance(kids, (list, tuple)) or not all(isinstance(c, dict) for c in kids):
         raise ValueError("kv_transfer_config.connectors must be a list of connector objects")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.transfer.channel import control
 from pdserve.transfer.channel.control import ControlServer, dial
 from pdserve.transfer.channel.protocol import ProtocolError
@@ -117,3 +118,12 @@ def test_authenticated_sessions_are_capped_too(monkeypatch):
             s.close()
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("cap", [0, "8", 2.5, True])
+def test_a_bad_connection_cap_is_refused_at_start_up_naming_the_field(cap):
+    with pytest.raises(ValueError, match="kv_connector_extra_config.max_connections"):
+        KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer",
+                                    "kv_connector_extra_config": {"max_connections": cap}})
+    assert KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer",
+                                       "kv_connector_extra_config": {"max_connections": 8}})

@@ -122,6 +122,7 @@ ROUTER = [
     (["--health-interval", "0"], "--health-interval must be a positive"),  # a busy loop
     (["--health-interval", "nan"], "--health-interval must be a positive"),
     (["--host", ""], "--host must not be empty"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
     (["--prefill", "notaurl"], "--prefill: 'notaurl' is not a node URL (the scheme"),
     (["--decode", "ftp://x"], "--decode: 'ftp://x' is not a node URL"),
     (["--decode", "http://127.0.0.1:99999"], "the port must be in 1..65535"),
@@ -136,7 +137,7 @@ def test_router_takes_a_node_behind_a_path_prefix():
     from types import SimpleNamespace
 
     from pdserve.router.cli import check_router_args
-    check_router_args(SimpleNamespace(host="127.0.0.1", port=8000, health_interval=2.0,
+    check_router_args(SimpleNamespace(host="127.0.0.1", port=8000, health_interval=2.0, max_body_bytes=1,
                                       prefill=["http://gw:80/node1/", "http://[::1]:8100"],
                                       decode=["https://gw/pool/d1"]))
 

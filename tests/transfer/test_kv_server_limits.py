@@ -5,7 +5,9 @@ counted, an unauthenticated one is cut off after a few seconds, and an authentic
 silent ones are gone."""
 from __future__ import annotations
 
+import logging
 import socket
+import ssl
 import threading
 import time
 
@@ -127,3 +129,30 @@ def test_a_bad_connection_cap_is_refused_at_start_up_naming_the_field(cap):
                                     "kv_connector_extra_config": {"max_connections": cap}})
     assert KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_producer",
                                        "kv_connector_extra_config": {"max_connections": 8}})
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                           ("127.0.0.2", True), ("0.0.0.0", False), ("::", False),
+                                           ("10.0.0.1", False), ("p0.pdserve-prefill", False)])
+def test_which_bind_addresses_are_loopback(host, loopback):
+    assert control.is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_kv_server_beyond_loopback_without_tls_warns_at_start_up(monkeypatch, caplog, tls):
+    """Issue 37 item 5: the KV channel is authenticated, not encrypted, unless TLS is set: a P that listens beyond
+    loopback without it says so once, at start-up (bound on loopback here, told it is not)."""
+    def start():
+        srv = ControlServer("127.0.0.1", 0, TOKEN, COMPAT, {}, handshake_timeout=1.0, wait_timeout=1.0,
+                            tls=ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if tls else None)
+        srv.close()
+        return [r for r in caplog.records if r.levelno == logging.WARNING and "without TLS" in r.getMessage()]
+
+    caplog.set_level(logging.WARNING, logger="pdserve.transfer")
+    assert start() == []  # loopback: nothing to say
+    monkeypatch.setattr(control, "is_loopback", lambda host: False)
+    warned = start()
+    if tls:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "kv_tls_cert" in warned[0].getMessage(), warned

@@ -18,6 +18,7 @@ gaps between a busy D's transfers, and a D that returns later pays one handshake
 from __future__ import annotations
 
 import heapq
+import ipaddress
 import itertools
 import logging
 import os
@@ -28,6 +29,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.transfer.channel.handshake import client_handshake, server_handshake
 from pdserve.transfer.channel.protocol import TIMEOUTS, Session, tune
 
@@ -143,6 +145,17 @@ def dial(host: str, port: int, token: bytes, compat: dict, until: float, tls: Op
     return session
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a bind address) listens on loopback only; a wildcard (0.0.0.0, ::) or any name but
+    localhost is taken as reachable from the network."""
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ControlServer:
     """P's end: listens on (host, port) and serves `ops` ({name: handler(session, header)}, each sending its
     answer) over authenticated sessions. `count(cause)` hears each refused or broken connection."""
@@ -167,6 +180,12 @@ class ControlServer:
                                    f"kv_host) in --kv-transfer-config") from None
         self._srv.listen(64)
         self.port, self._closing = self._srv.getsockname()[1], threading.Event()
+        if tls is None and not is_loopback(host):
+            # the token authenticates every frame but encrypts none: on a shared network that is the prompts' KV
+            logger.warning("the KV server listens on %s:%d, beyond loopback, without TLS: what crosses it (with "
+                           "TcpConnector, the KV itself) is authenticated by the KV token but not encrypted; set "
+                           "kv_tls_cert/kv_tls_key (--kv-tls-cert/--kv-tls-key) here and kv_tls_ca on the decode "
+                           "nodes, unless this network is private to the deployment", host, self.port)
         threading.Thread(target=self._accept_loop, name="kv-server", daemon=True).start()
 
     def _accept_loop(self) -> None:

@@ -14,6 +14,9 @@ _MAX_LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-100, 100], as OpenAI docum
 # a cost every request of the node pays, not only the sender (100k stop strings added 20.6 ms a token). vLLM's caps
 # on bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS); the others are pdserve's.
 _MAX_BAD_WORDS, _MAX_BAD_WORD_TOKENS = 128, 1024
+# bad_words' characters in all, checked before they are tokenized: 32 a token (the server's --max-prompt-chars
+# default ratio), so no list that could pass the token cap is refused, and none makes the tokenizer work long
+_MAX_BAD_WORD_CHARS = 32 * _MAX_BAD_WORD_TOKENS
 _MAX_STOP, _MAX_STOP_CHARS = 128, 16384  # stop strings, and their characters in all
 _MAX_STOP_TOKEN_IDS = 1024
 _MAX_LOGIT_BIAS_ENTRIES = 1024  # more: allowed_token_ids says "only these" at one cost
@@ -176,6 +179,9 @@ class SamplingParams:
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
                 raise ValueError(f"bad_words must be a list of str, got {self.bad_words!r}"[:200])
+            chars = sum(map(len, self.bad_words))
+            if chars > _MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words takes at most {_MAX_BAD_WORD_CHARS} characters in all, got {chars}")
             self.bad_words = list(self.bad_words) or None
 
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -197,8 +203,8 @@ class SamplingParams:
             return cached
         out: list[list[int]] = []
         for word in self.bad_words:
-            if len(out) > _MAX_BAD_WORDS:  # refused below; the rest of a huge list is never tokenized
-                break
+            if len(out) > _MAX_BAD_WORDS or sum(map(len, out)) > _MAX_BAD_WORD_TOKENS:  # refused below; the rest
+                break  # of a huge list is never tokenized
             bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
             if not bare:
                 raise ValueError(f"bad_words: {word!r} tokenizes to no token")

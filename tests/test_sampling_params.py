@@ -91,6 +91,23 @@ def test_bad_words_tokenize_as_vllm_within_its_caps():
     assert len(SamplingParams(bad_words=[chr(200 + i) for i in range(64)]).bad_words_token_ids(Tok())) == 128
 
 
+def test_bad_words_are_sized_before_they_are_tokenized():
+    """Issue 37: a few huge words were each tokenized (twice) before the token cap refused them; their characters
+    are now capped first (32 per token of the cap), and tokenizing stops once the tokens are over it."""
+    calls = []
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            calls.append(len(text))
+            return [ord(c) for c in text.lstrip()]
+    with pytest.raises(ValueError, match="bad_words takes at most 32768 characters in all, got 32769"):
+        SamplingParams(bad_words=["x" * 16384, "y" * 16385])
+    p = SamplingParams(bad_words=["x" * 16384, "y" * 16384])
+    with pytest.raises(ValueError, match="1024 tokens"):
+        p.bad_words_token_ids(Tok())
+    assert len(calls) == 2  # the first word's two tokenizations were over the cap: the second word never ran
+
+
 def test_sampling_type_and_greedy():
     assert SamplingParams(temperature=0.0).sampling_type == "greedy"
     assert SamplingParams(temperature=5e-6, seed=3).sampling_type == "greedy"

@@ -98,7 +98,10 @@ class ServerState:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    return parse_json_body(await read_body(request, limit))
+    """The body's JSON object; its size goes to `request.state.body_bytes` (offload.py picks a pool by it)."""
+    body = await read_body(request, limit)
+    request.state.body_bytes = len(body)
+    return parse_json_body(body)
 
 
 def build_app(state: ServerState) -> FastAPI:

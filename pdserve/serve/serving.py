@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
+from pdserve.serve.offload import off_loop
 from pdserve.serve.parallel_sampling import create_n
 from pdserve.serve.prompts import ModelInfo
 from pdserve.serve.protocol import to_generation_requests
@@ -62,10 +63,9 @@ class OpenAIServing:
 
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
         try:
-            # on a worker thread: chat templating and tokenizing take time that grows with the text, which would
-            # stall every other request's stream on the event loop (the Rust tokenizer lets the GIL go; asyncio's
-            # to_thread keeps the request id's context for the log lines)
-            greqs = await asyncio.to_thread(to_generation_requests, kind, data, self.info)
+            # chat templating and tokenizing take time that grows with the text: on the event loop they would
+            # stall every other request's stream
+            greqs = await off_loop(request, to_generation_requests, kind, data, self.info)
             greq = greqs[0]
             if greq.unknown_fields:  # what routers add to every request is no news: a debug line, not a warning
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]

@@ -10,13 +10,13 @@ limit does (--max-prompt-chars: it bounds the tokenizer's work). Both run on a w
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 
 from pdserve.serve.errors import bad_request
+from pdserve.serve.offload import off_loop
 from pdserve.serve.prompts import ModelInfo, chat_prompt, check_chars, check_token_ids
 from pdserve.serve.protocol import _check_model, _Strict, _validate
 
@@ -97,9 +97,9 @@ def add_tokenize_routes(app: FastAPI, model_info: Callable[[], ModelInfo], read_
     @app.post("/tokenize", dependencies=dependencies)
     async def tokenize_route(request: Request):
         info = model_info()
-        return await asyncio.to_thread(tokenize, await read_body(request), info)
+        return await off_loop(request, tokenize, await read_body(request), info)
 
     @app.post("/detokenize", dependencies=dependencies)
     async def detokenize_route(request: Request):
         info = model_info()
-        return await asyncio.to_thread(detokenize, await read_body(request), info)
+        return await off_loop(request, detokenize, await read_body(request), info)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from contextlib import contextmanager
 
@@ -16,7 +17,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from pdserve.config import EngineConfig
+from pdserve.serve import offload
 from pdserve.serve.api_server import ServerState, build_app
+from pdserve.serve.request_context import request_id_var
 from pdserve.serve.server_config import ServerConfig
 from tests.transfer.test_failure_paths_pd import asgi
 
@@ -66,9 +69,10 @@ async def _with_lag(coro) -> tuple:
     return res, lag
 
 
-def post(c, path: str, body, chunked: bool = False, timeout: float = 120.0) -> tuple[dict, float]:
+def post(c, path: str, body, chunked: bool = False, timeout: float = 120.0, headers=()) -> tuple[dict, float]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     kw = {"chunks": [raw[i:i + (1 << 16)] for i in range(0, len(raw), 1 << 16)]} if chunked else {"body": raw}
+    kw["headers"] = headers
     return c.portal.call(lambda: _with_lag(asgi(c.app, "POST", path, timeout=timeout, **kw)))
 
 
@@ -145,6 +149,7 @@ class _SlowTokenizer:
         self._real, self._delay = real, delay
 
     def __call__(self, *a, **kw):
+        self.request_id = request_id_var.get()  # what the log lines written here are stamped with
         time.sleep(self._delay)
         return self._real(*a, **kw)
 
@@ -160,14 +165,16 @@ class _SlowTokenizer:
 def test_tokenization_and_templating_run_off_the_event_loop(srv, monkeypatch, path):
     """A slow tokenizer (1 s a call) delays only its own request: the event loop keeps running meanwhile."""
     c, state = srv
-    monkeypatch.setattr(state.serving.info, "tokenizer", _SlowTokenizer(state.serving.info.tokenizer, 1.0))
+    tok = _SlowTokenizer(state.serving.info.tokenizer, 1.0)
+    monkeypatch.setattr(state.serving.info, "tokenizer", tok)
     body = {"messages": [{"role": "user", "content": "hello"}]} if "chat" in path else {"prompt": "hello"}
     if path != "/tokenize":
         body |= {"max_tokens": 2, "temperature": 0}
-    res, lag = post(c, path, body)
+    res, lag = post(c, path, body, headers=[("x-request-id", "off-loop-1")])
     assert res["status"] == 200, res["body"][:300]
     assert res["seconds"] >= 1.0  # it did go through the slow tokenizer
     assert lag < MAX_LAG, lag
+    assert tok.request_id == "off-loop-1"  # the worker thread runs in the request's context
 
 
 def test_n_is_bounded_by_max_num_seqs(srv):
@@ -181,3 +188,48 @@ def test_n_is_bounded_by_max_num_seqs(srv):
     assert err["param"] == "n" and "--max-num-seqs" in err["message"], err
     r = c.post("/v1/completions", json=body | {"n": MAX_NUM_SEQS})
     assert r.status_code == 200 and len(r.json()["choices"]) == MAX_NUM_SEQS, r.text
+
+
+class _GatedTokenizer:
+    """The server's tokenizer, holding every text longer than 1000 characters until `gate` opens."""
+
+    def __init__(self, real, gate):
+        self._real, self.gate, self.held = real, gate, 0
+
+    def __call__(self, text, *a, **kw):
+        if len(text) > 1000:
+            self.held += 1
+            assert self.gate.wait(30)
+        return self._real(text, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_small_requests_never_queue_behind_big_ones(srv, monkeypatch):
+    """Eight big bodies (past offload.BULK_BYTES) whose tokenizing hangs take every thread they may have; a small
+    request still gets its answer meanwhile, and the big ones theirs once their tokenizing goes on."""
+    c, state = srv
+    gate = threading.Event()
+    tok = _GatedTokenizer(state.serving.info.tokenizer, gate)
+    monkeypatch.setattr(state.serving.info, "tokenizer", tok)
+    big = {"prompt": "many words " * 200, "max_tokens": 2, "padding": "x" * offload.BULK_BYTES}
+    small = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+
+    async def scenario():
+        bigs = [asyncio.ensure_future(asgi(c.app, "POST", "/v1/completions", json.dumps(big).encode(),
+                                           timeout=60)) for _ in range(8)]
+        deadline = time.monotonic() + 10
+        while tok.held < 2 and time.monotonic() < deadline:  # the bulk pool's threads are all held
+            await asyncio.sleep(0.01)
+        try:
+            first = await asgi(c.app, "POST", "/v1/completions", json.dumps(small).encode(), timeout=5)
+        finally:
+            gate.set()
+        return first, await asyncio.gather(*bigs)
+
+    first, bigs = c.portal.call(scenario)
+    assert tok.held >= 2
+    assert first["status"] == 200, first
+    assert [b["status"] for b in bigs] == [400] * 8  # their prompts are over max_model_len, once tokenized
+    assert all(b"tokens but the context length" in b["body"] for b in bigs)

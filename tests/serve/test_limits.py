@@ -123,18 +123,30 @@ def test_a_prompt_at_the_limit_is_tokenized(srv):
     assert r.status_code == 400 and "--max-prompt-chars" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize("case", ["batch", "token_ids", "messages"])
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+LISTS = {
+    "batch": ("/v1/completions", {"prompt": ["hello world"] * 100_000, "max_tokens": 4}, "prompt"),
+    "token_ids": ("/v1/completions", {"prompt": [5] * 100_000, "max_tokens": 4}, "prompt"),
+    "messages": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world"}] * 100_000,
+                                          "max_tokens": 4}, "messages"),
+    "content_parts": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello world"}] * 100_000}], "max_tokens": 4}, "messages"),
+    # the request lists capped in sampling_params.py (issue 37 item 3)
+    "stop": ("/v1/chat/completions", CHAT | {"stop": ["x"] * 100_000}, "stop"),
+    "stop_token_ids": ("/v1/chat/completions", CHAT | {"stop_token_ids": [5] * 100_000}, "stop_token_ids"),
+    "logit_bias": ("/v1/chat/completions", CHAT | {"logit_bias": {str(i): 1 for i in range(100_000)}},
+                   "logit_bias"),
+    "bad_words": ("/v1/chat/completions", CHAT | {"bad_words": ["x"] * 100_000}, "bad_words"),
+}
+
+
+@pytest.mark.parametrize("case", list(LISTS))
 def test_a_100k_item_list_is_refused_before_any_work(srv, case):
     """A 100,000-item list: a batch of prompts (more than the server ever queues), a list of token ids (more than
-    the context), chat messages (more than the context can hold): each a 400 naming its field, answered without
-    tokenizing or rendering the items one by one on the event loop."""
+    the context), chat messages or content parts (more than the context can hold), a sampling list over its cap:
+    each a 400 naming its field, answered without tokenizing or rendering the items one by one on the event loop."""
     c, _ = srv
-    path, body, param = {
-        "batch": ("/v1/completions", {"prompt": ["hello world"] * 100_000, "max_tokens": 4}, "prompt"),
-        "token_ids": ("/v1/completions", {"prompt": [5] * 100_000, "max_tokens": 4}, "prompt"),
-        "messages": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world"}] * 100_000,
-                                              "max_tokens": 4}, "messages"),
-    }[case]
+    path, body, param = LISTS[case]
     res, lag = post(c, path, body)
     assert error_of(res, 400)["param"] == param
     assert lag < MAX_LAG, lag

@@ -16,7 +16,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params, num_leased_tokens
 from pdserve.transfer.nixl.consumer import NAME
 from pdserve.transfer.channel.blocks import TransferStats
-from pdserve.transfer.channel.control import ControlServer
+from pdserve.transfer.channel.control import MAX_CONNECTIONS, ControlServer
 
 logger = logging.getLogger("pdserve.transfer")
 
@@ -35,7 +35,8 @@ class NixlProducer:
             config.kv_host, config.kv_port, token, compat, ops, tls=config.tls_server_context(),
             handshake_timeout=config.kv_transfer_timeout, wait_timeout=max(5.0, config.kv_lease_seconds),
             idle_seconds=float(config.kv_connector_extra_config.get("session_idle_seconds", 60.0)),
-            nice=config.kv_server_nice, count=stats.count)
+            nice=config.kv_server_nice, count=stats.count,
+            max_connections=int(config.kv_connector_extra_config.get("max_connections", MAX_CONNECTIONS)))
         self.port = self.server.port
         logger.info("NIXL KV control server listening on %s:%d", config.kv_host, self.port)
 

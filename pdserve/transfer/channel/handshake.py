@@ -75,7 +75,7 @@ def client_handshake(sock: socket.socket, token: bytes, compat: dict) -> Session
         if isinstance(sock, ssl.SSLSocket):
             raise
         raise ProtocolError("the producer closed the connection at the handshake (does it require TLS? then set "
-                            "kv_tls_ca on this consumer)") from None
+                            "kv_tls_ca on this consumer; or was it at its connection cap? its log says)") from None
     if "error" in hello:
         raise ProtocolError(f"refused by producer: {hello['error']}")
     nonce_p, compat_p = _hello(hello)

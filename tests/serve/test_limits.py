@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 
 import pytest
+import httpx
 from starlette.testclient import TestClient
 
 from pdserve.config import EngineConfig
@@ -21,6 +22,7 @@ from pdserve.serve import offload
 from pdserve.serve.api_server import ServerState, build_app
 from pdserve.serve.request_context import request_id_var
 from pdserve.serve.server_config import ServerConfig
+from tests.server_harness import ServerProcess, healthy
 from tests.transfer.test_failure_paths_pd import asgi
 
 MAX_MODEL_LEN = 256
@@ -245,3 +247,46 @@ def test_small_requests_never_queue_behind_big_ones(srv, monkeypatch):
     assert first["status"] == 200, first
     assert [b["status"] for b in bigs] == [400] * 8  # their prompts are over max_model_len, once tokenized
     assert all(b"tokens but the context length" in b["body"] for b in bigs)
+
+
+def test_a_stream_goes_on_while_hostile_bodies_are_refused(qwen3_tiny):
+    """End to end on a `pdserve serve` process (engine in its own process, default limits): while the issue's
+    bodies arrive one after another (a 20 MiB body, a prompt that cannot fit, 100,000-item lists), a stream's
+    tokens keep coming: no gap between two of its chunks reaches 2 s (the old code held it for the seconds each
+    tokenization took on the event loop), and each body is a 4xx."""
+    hostile = [
+        ("/v1/completions", {"prompt": "x" * (20 << 20)}),
+        ("/v1/completions", {"prompt": "many words " * ((12 << 20) // 11)}),
+        ("/v1/completions", {"prompt": ["hello world"] * 100_000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world"}] * 100_000}),
+    ]
+    bodies = [(path, json.dumps(body | {"max_tokens": 4}).encode()) for path, body in hostile]
+    srv = ServerProcess(qwen3_tiny, "--max-model-len", "2048")
+    with healthy(srv):
+        statuses, started = [], threading.Event()
+
+        def attack():
+            started.wait(60)
+            with httpx.Client(base_url=srv.url, timeout=120) as h:
+                for path, raw in bodies:
+                    statuses.append(h.post(path, content=raw, headers={"content-type": "application/json"}))
+        sender = threading.Thread(target=attack)
+        sender.start()
+        arrivals = []
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json={
+                    "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+                        started.set()
+                        if len(statuses) == len(bodies):
+                            break  # every hostile body was answered while the stream ran
+        finally:
+            started.set()
+            sender.join(180)
+    gap = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+    assert gap < 2.0, gap
+    assert [s.status_code for s in statuses] == [413, 400, 400, 400], [s.text[:200] for s in statuses]
+    assert [s.json()["error"]["param"] for s in statuses[1:]] == ["prompt", "prompt", "messages"]

@@ -45,6 +45,8 @@ SERVE = [
     (["--api-key", " "], "api_key is empty"),
     (["--served-model-name", ""], "served_model_name"),
     (["--shutdown-timeout", "nan"], "shutdown_timeout"),
+    (["--max-prompt-chars", "0"], "max_prompt_chars must be >= 1"),
+    (kv(kv_connector_extra_config={"max_connections": 0}), "max_connections must be an integer >= 1"),
     (["--device", "bogus"], "device must be"),
     (["--device", ""], "device must be"),
     (["--device", "cuda"], "device 'cuda'"),  # a CPU-only torch here; on a GPU machine: past the device count

@@ -112,6 +112,23 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(srv, path):
     served_still(c)
 
 
+def test_the_flag_sets_the_limit(qwen3_tiny):
+    with server(qwen3_tiny, max_prompt_chars=100) as (c, _):
+        r = c.post("/tokenize", json={"prompt": "a" * 100})
+        assert r.status_code == 200, r.text
+        for path, body, param in [("/tokenize", {"prompt": "a" * 101}, "prompt"),
+                                  ("/v1/completions", {"prompt": ["hi", "a" * 101]}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 99}]},
+                                   "messages")]:  # 99 characters and one for the message: 100 is allowed
+            r = c.post(path, json=body)
+            assert r.status_code == (200 if param == "messages" else 400), r.text
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 100}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages" and "(100, --max-prompt-chars" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": ["hi", "a" * 101]})
+        assert "prompt[1]: 101 characters" in r.json()["error"]["message"]
+
+
 def test_a_prompt_at_the_limit_is_tokenized(srv):
     """The derived limit (32 characters per token of max_model_len) refuses no prompt that could fit: one of
     exactly that many characters is tokenized and judged by its tokens (too many for the context here)."""

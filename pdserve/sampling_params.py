@@ -228,14 +228,15 @@ class SamplingParams:
         """What decides a request's first token (and the logprobs it comes with), as a short digest: a decode node
         takes the first token a prefill node sampled only for a request whose key matches its own, since a router
         may send P other params (vllm-router sends max_tokens 1, no stops). EOS and the stop ids count only while
-        min_tokens masks them; max_tokens and stop strings decide when to stop, not what is drawn."""
+        min_tokens masks them (vllm-router sends P min_tokens 1: with ignore_eos and no stop ids that masks nothing);
+        max_tokens and stop strings decide when to stop, not what is drawn."""
         import hashlib
         import json
         masks = self.min_tokens > 0
+        banned = [sorted(self.stop_token_ids), not self.ignore_eos] if masks else [[], False]
         key = [self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.presence_penalty,
                self.frequency_penalty, self.repetition_penalty, sorted((self.logit_bias or {}).items()),
-               self.allowed_token_ids, self.bad_words, masks, sorted(self.stop_token_ids) if masks else None,
-               self.ignore_eos if masks else None, self.logprobs]
+               self.allowed_token_ids, self.bad_words, banned, self.logprobs]
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
     def clone(self) -> "SamplingParams":

@@ -170,3 +170,21 @@ def test_request_lists_are_capped(field, at_cap, over):
     with pytest.raises(ValueError) as e:
         SamplingParams(**{field: over})
     assert str(e.value).startswith(f"{field} takes at most"), e.value
+
+
+def test_first_token_key_covers_what_draws_the_first_token():
+    """D takes P's first token only for params whose key matches its own (issue 35): what decides the draw is in
+    it, what decides when to stop is not; vllm-router's P request (max_tokens 1, min_tokens 1) keeps the key when
+    min_tokens masks nothing (ignore_eos, no stop ids)."""
+    base = SamplingParams(temperature=0.9, seed=5, ignore_eos=True)
+    key = base.first_token_key()
+    assert SamplingParams(temperature=0.9, seed=5, ignore_eos=True, max_tokens=1, min_tokens=1,
+                          stop=["x"]).first_token_key() == key
+    for other in (dict(seed=6), dict(temperature=0.8), dict(top_k=5), dict(logprobs=2), dict(presence_penalty=0.1),
+                  dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]), dict(bad_words=["a"])):
+        assert SamplingParams(**{"temperature": 0.9, "seed": 5, "ignore_eos": True, **other}).first_token_key() != key
+    # min_tokens masks EOS (no ignore_eos) or the stop ids: a first token drawn under it may differ
+    assert SamplingParams(temperature=0.9, seed=5, min_tokens=1).first_token_key() != \
+        SamplingParams(temperature=0.9, seed=5).first_token_key()
+    assert SamplingParams(temperature=0.9, seed=5, ignore_eos=True, min_tokens=1,
+                          stop_token_ids=[7]).first_token_key() != key

@@ -70,8 +70,9 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
 
 def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, profile: Profile, *,
              transfer: Optional[TransferModel] = None, policy: str = "round-robin", spec_acceptance: float = 0.0,
-             seed: int = 0, on_step=None) -> dict:
-    """Run `trace` on the deployment; returns bench serve's result dict (see module docstring)."""
+             seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None) -> dict:
+    """Run `trace` on the deployment; returns bench serve's result dict (see module docstring). `slos` (seconds
+    by metric, bench serve's --goodput) adds `request_goodput`."""
     if dep.num_prefill and transfer is None:
         raise ValueError("an XpYd deployment needs a transfer model")
     prefill, decode, fabric = build_nodes(dep, config, profile, transfer, spec_acceptance, seed)
@@ -79,7 +80,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
     t0 = time.perf_counter()
     results, duration = sim.run(trace, [prompt_token_ids(r, VOCAB_SIZE, seed) for r in trace])
     wall = time.perf_counter() - t0
-    metrics = compute_metrics(results, duration)
+    metrics = compute_metrics(results, duration, slos)
     steps = Counter()
     for n in decode:  # as bench serve scrapes: the decode nodes behind a router, else the server itself
         steps.update(n.graph_stats.steps)
@@ -93,7 +94,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "sim", "base_url": f"sim://{dep.name}", "endpoint": "",
         "model_id": profile.raw.get("name", "sim"), "model": profile.raw.get("name", "sim"), "tokenizer_id": None,
         "num_prompts": len(trace), "max_concurrency": None, "seed": seed, "ignore_eos": True, "temperature": 0.0,
-        "warmup": 0, "goodput_slos_ms": {}, **metrics.to_dict(), **metrics.vllm_keys(), "graph": graph,
+        "warmup": 0, "goodput_slos_ms": {k: v * 1000 for k, v in (slos or {}).items()}, **metrics.to_dict(),
+        **metrics.vllm_keys(), "graph": graph,
         "router_ttft_split_ms": sim.ttft_split_ms(),
         "send_lag_ms": summarize([0.0] * len(results)),  # a simulated client sends on time
         "input_lens": [r.prompt_len for r in results],

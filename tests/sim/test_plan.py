@@ -1,0 +1,148 @@
+"""`pdserve plan`: the ranking on profiles where the answer is known, the rate sweep, and the command line (SLOs and
+lists refused naming the flag, --help on every flag, the files a run writes)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.sim.connector import TransferModel
+from pdserve.sim.plan import candidates, plan_search, scale_trace, splits
+from pdserve.sim.profile import profile_from_dict
+from pdserve.sim.trace import TraceRequest, random_trace
+
+from tests.sim.test_cli import _err
+
+
+def roofline(flops_per_token: float) -> dict:
+    """Decode steps memory-bound at 2 ms (2 GB of weights at 1 TB/s) up to 32 rows; a prompt token costs
+    flops_per_token / 100 TFLOPs: 62.5 us at 6.25e9 (a 512-token prefill is 16 decode steps), 6.25 us at 6.25e8."""
+    return {"type": "roofline", "gpu": {"memory_bandwidth_gb_s": 1000, "peak_tflops": 100},
+            "model": {"kv_bytes_per_token": 1024, "weight_bytes": 2e9, "flops_per_token": flops_per_token,
+                      "max_model_len": 2048},
+            "step_overhead_s": {"FULL": 0.0, "PIECEWISE": 0.0, "NONE": 0.0}}
+
+
+def _plan(profile: dict, slos: dict, max_num_seqs: int):
+    trace = random_trace(200, 512, 64, 1.0, seed=0)
+    return plan_search(candidates(splits(2), [max_num_seqs], [2048], [0], [0]), trace, profile_from_dict(profile),
+                       {"max_model_len": 2048}, {}, slos, transfer=TransferModel(1e12, 0.0), policy="round-robin",
+                       spec_acceptance=0.0, seed=0, rates=None, start_rate=0.5, max_rates=8)
+
+
+def test_expensive_prefill_and_a_tight_tpot_rank_a_split_first():
+    """Collocated, every prompt's prefill step (32 ms) lands in the middle of other requests' decoding and one is
+    enough to break a 3 ms TPOT; a decode node that only decodes keeps it: 1P1D serves more good requests per node
+    though only one of its nodes decodes."""
+    ranked = _plan(roofline(6.25e9), {"tpot": 0.003, "ttft": 2.0}, 64)
+    assert [e.candidate.split for e in ranked] == ["1P1D", "collocated"]
+    assert ranked[0].goodput_per_node > 1.5 * ranked[1].goodput_per_node
+
+
+def test_cheap_prefill_and_a_decode_bound_node_rank_collocated_first():
+    """Prefill is nearly free and a node decodes at most 8 requests: collocated, both nodes decode; 1P1D's P idles
+    and its one D is the bottleneck, so collocated has about twice its goodput per node."""
+    ranked = _plan(roofline(6.25e8), {"tpot": 0.05, "ttft": 0.5}, 8)
+    assert [e.candidate.split for e in ranked] == ["collocated", "1P1D"]
+    assert ranked[0].goodput_per_node > 1.5 * ranked[1].goodput_per_node
+
+
+def test_the_sweep_stops_past_the_knee_and_refines_around_the_best():
+    ranked = plan_search(candidates(splits(2), [8], [2048], [0], [0]), random_trace(200, 512, 64, 1.0, seed=0),
+                         profile_from_dict(roofline(6.25e8)), {"max_model_len": 2048}, {}, {"tpot": 0.05, "ttft": 0.5},
+                         transfer=TransferModel(1e12, 0.0), policy="round-robin", spec_acceptance=0.0, seed=0,
+                         rates=None, start_rate=8.0, max_rates=8)
+    for e in ranked:
+        n = e.candidate.num_nodes
+        rates = [p.rate for p in e.points]
+        doubling = [r for r in rates if math.log2(r / (8.0 * n)).is_integer()]
+        assert rates == sorted(rates) and len(rates) <= 8 and doubling[0] == 8.0 * n
+        best = e.best
+        assert best.goodput == max(p.goodput for p in e.points) and best.goodput <= best.rate
+        # doubled until a rate past the knee (its goodput below 80% of the best), which ends the doubling
+        assert e.points[rates.index(doubling[-1])].goodput < 0.8 * best.goodput
+        # then the midpoints on both sides of the best doubling rate
+        i = doubling.index(max(doubling, key=lambda r: e.points[rates.index(r)].goodput))
+        mids = sorted(set(rates) - set(doubling))
+        assert mids == sorted(m for m in ((doubling[i - 1] + doubling[i]) / 2 if i else None,
+                                          (doubling[i] + doubling[i + 1]) / 2) if m is not None)
+
+
+def test_scaled_traces_keep_their_requests_and_reach_the_rate():
+    trace = random_trace(50, 100, 10, 3.0, range_ratio=0.5, seed=2)
+    for rate in (0.5, 40.0):
+        t = scale_trace(trace, rate)
+        assert [(r.request_id, r.prompt_len, r.output_len) for r in t] == \
+            [(r.request_id, r.prompt_len, r.output_len) for r in trace]
+        assert len(t) / t[-1].arrival_time == pytest.approx(rate)
+    with pytest.raises(ValueError, match="all arrive at 0 s"):
+        scale_trace([TraceRequest("a", 0.0, 10, 2), TraceRequest("b", 0.0, 10, 2)], 2.0)
+
+
+def test_splits_of_n_nodes():
+    assert [(d.num_prefill, d.num_decode) for d in splits(4)] == [(0, 4), (1, 3), (2, 2), (3, 1)]
+    c = candidates(splits(2), [8, 64], [4, 2048], [0], [0, 4])
+    assert len(c) == 2 * 2 * 2 * 2 - 2 * 2 * 1  # a budget of 4 tokens cannot hold a K = 4 drafting row
+
+
+@pytest.fixture
+def profile(tmp_path):
+    f = tmp_path / "profile.json"
+    f.write_text(json.dumps(roofline(6.25e8)))
+    return str(f)
+
+
+@pytest.mark.parametrize("argv,named", [
+    ([], "--goodput is required"),
+    (["--goodput", "ttft"], "--goodput: 'ttft' is not NAME:MILLISECONDS"),
+    (["--goodput", "ttft:soon"], "--goodput: 'ttft:soon' is not NAME:MILLISECONDS"),
+    (["--goodput", "latency:100"], "--goodput: unknown metric 'latency'"),
+    (["--goodput", "tpot:0"], "--goodput: 'tpot:0': the SLO must be > 0 ms"),
+    (["--goodput", "tpot:nan"], "--goodput: every SLO must be a finite number"),
+    (["--goodput", "tpot:50", "--max-num-seqs", "0,8"], "--max-num-seqs: '0,8' is not a comma-separated list"),
+    (["--goodput", "tpot:50", "--num-speculative-tokens", "x"], "--num-speculative-tokens: 'x' is not"),
+    (["--goodput", "tpot:50", "--deployments", "collocated,1p0d"], "--deployments: '1p0d'"),
+    (["--goodput", "tpot:50", "--nodes", "0"], "--nodes must be >= 1"),
+    (["--goodput", "tpot:50", "--request-rate", "0"], "--request-rate: every rate must be > 0"),
+    (["--goodput", "tpot:50", "--max-rates", "0"], "--max-rates must be >= 1"),
+    (["--goodput", "tpot:50", "--max-num-batched-tokens", "4", "--num-speculative-tokens", "4"],
+     "--max-num-batched-tokens: every value is below 1 + --num-speculative-tokens"),
+    (["--goodput", "tpot:50", "--speculative-config", '{"method": "eagle"}'], "--speculative-config:"),
+])
+def test_bad_flags_are_named(tmp_path, capsys, profile, argv, named):
+    err = _err(capsys, ["plan", "--profile", profile, "--num-prompts", "4", "--result-dir", str(tmp_path / "r"),
+                        *argv])
+    assert err.startswith("pdserve plan: error: ") and named in err, err
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "plan", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--goodput", "--nodes", "--deployments", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--long-prefill-token-threshold", "--num-speculative-tokens", "--speculative-config",
+                 "--start-rate", "--max-rates", "--request-rate", "--trace", "--profile", "--result-dir", "--top",
+                 "--plot-top", "--quiet", "--kv-bandwidth-gb-s"):
+        assert flag in out, flag
+
+
+def test_a_plan_run_prints_the_ranking_and_writes_its_files(tmp_path, capsys, profile):
+    out = tmp_path / "plan"
+    assert main(["plan", "--profile", profile, "--goodput", "ttft:500", "tpot:50", "--nodes", "2",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--num-prompts", "60",
+                 "--random-input-len", "512", "--random-output-len", "16", "--request-rate", "20,80",
+                 "--result-dir", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "pdserve plan" in cap.err  # the progress bar
+    plan = json.loads((out / "plan.json").read_text())
+    assert [r["deployment"] for r in plan["ranking"]] == ["collocated", "1P1D"]
+    assert [p["rate"] for p in plan["ranking"][0]["points"]] == [20.0, 80.0]
+    assert plan["goodput_slos_ms"] == {"ttft": 500.0, "tpot": 50.0}
+    lines = cap.out.splitlines()
+    assert lines[0].startswith("pdserve plan: goodput (req/s meeting ttft:500 tpot:50 ms)")
+    assert lines[3].split()[:2] == ["1", "collocated"] and lines[4].split()[:2] == ["2", "1P1D"]
+    assert (out / "ranking.txt").read_text().splitlines()[3] == lines[3]
+    assert (out / "plan.png").stat().st_size > 0

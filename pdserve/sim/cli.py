@@ -83,6 +83,11 @@ def add_fleet_args(p: argparse.ArgumentParser):
                         "context, which is what n-gram drafts are found in (default: 0.5).")
     d.add_argument("--max-model-len", type=int, default=None,
                    help="Context length (default: the profile's model.max_model_len, else 4096).")
+    d.add_argument("--pd-first-token", choices=("replay", "prefill"), default="replay",
+                   help="XpYd: the router's --pd-first-token (docs/pd.md). replay: vLLM's, P prefills with "
+                        "max_tokens 1, D imports n - 1 tokens and replays the last; prefill: P samples the first "
+                        "token, which reaches the client at P's step end (TTFT holds no transfer), D imports n and "
+                        "decodes it as a plain row (default: replay).")
     return d
 
 
@@ -170,14 +175,17 @@ def run_sim(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--result-dir {out}: {e.strerror or e}") from None
-    # the arm, as bench pd names it: collocated, or the decode nodes' rule ('default' when the flag was left alone)
+    # the arm, as bench pd names it: collocated, first-token, or the decode nodes' rule ('default' when the flag was
+    # left alone)
     rule = config.compilation.full_graph_rule
-    arm = "collocated" if not dep.num_prefill else ("default" if rule == CompilationConfig().full_graph_rule
-                                                    else rule)
+    if args.pd_first_token == "prefill" and not dep.num_prefill:
+        raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
+    arm = "collocated" if not dep.num_prefill else "first-token" if args.pd_first_token == "prefill" else (
+        "default" if rule == CompilationConfig().full_graph_rule else rule)
     rows = []
     for rate, trace in runs:
         result = simulate(trace, dep, config, profile, transfer=transfer, policy=args.router_policy,
-                          spec_acceptance=args.spec_acceptance, seed=args.seed)
+                          spec_acceptance=args.spec_acceptance, seed=args.seed, pd_first_token=args.pd_first_token)
         result.update(dataset="trace" if args.trace else "random", request_rate=rate, burstiness=args.burstiness,
                       random_input_len=round(sum(r.prompt_len for r in trace) / len(trace)),
                       random_output_len=round(sum(r.output_len for r in trace) / len(trace)),
@@ -410,7 +418,8 @@ def run_plan(args) -> int:
     try:
         ranked = plan_search(cands, trace, profile, base, spec_base, slos, transfer=transfer,
                              policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
-                             rates=rates, start_rate=start, max_rates=args.max_rates, progress=progress)
+                             rates=rates, start_rate=start, max_rates=args.max_rates, progress=progress,
+                             pd_first_token=args.pd_first_token)
     finally:
         bar.close()
     table = format_ranking(ranked, slos)

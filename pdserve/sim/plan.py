@@ -178,14 +178,17 @@ def rank(evals: list[Evaluation]) -> list[Evaluation]:
 def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Profile, base: dict, spec_base: dict,
                 slos: dict[str, float], *, transfer: TransferModel, policy: str, spec_acceptance: float, seed: int,
                 rates: Optional[list[float]], start_rate: float, max_rates: int,
-                progress: Optional[Callable[[Candidate], None]] = None) -> list[Evaluation]:
-    """Every candidate evaluated (progress called after each), ranked."""
+                progress: Optional[Callable[[Candidate], None]] = None, pd_first_token: str = "replay"
+                ) -> list[Evaluation]:
+    """Every candidate evaluated (progress called after each), ranked; `pd_first_token` applies to the XpYd
+    candidates (the router's flag: collocated ones have no router hand-off)."""
     if not slos:
         raise ValueError("--goodput: give at least one SLO (e.g. --goodput ttft:200 tpot:50)")
 
     def run(c: Candidate, tr: list[TraceRequest]) -> dict:
         return simulate(tr, c.deployment, engine_config(base, c, spec_base), profile, transfer=transfer,
-                        policy=policy, spec_acceptance=spec_acceptance, seed=seed, slos=slos)
+                        policy=policy, spec_acceptance=spec_acceptance, seed=seed, slos=slos,
+                        pd_first_token=pd_first_token if c.deployment.num_prefill else "replay")
     evals = []
     for c in cands:
         evals.append(evaluate(c, trace, rates, start_rate * c.num_nodes, max_rates, run))

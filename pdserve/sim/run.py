@@ -70,13 +70,17 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
 
 def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, profile: Profile, *,
              transfer: Optional[TransferModel] = None, policy: str = "round-robin", spec_acceptance: float = 0.0,
-             seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None) -> dict:
+             seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None,
+             pd_first_token: str = "replay") -> dict:
     """Run `trace` on the deployment; returns bench serve's result dict (see module docstring). `slos` (seconds
-    by metric, bench serve's --goodput) adds `request_goodput`."""
+    by metric, bench serve's --goodput) adds `request_goodput`; `pd_first_token`: the router's --pd-first-token
+    (replay or prefill, for an XpYd deployment)."""
+    if pd_first_token == "prefill" and not dep.num_prefill:
+        raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
     if dep.num_prefill and transfer is None:
         raise ValueError("an XpYd deployment needs a transfer model")
     prefill, decode, fabric = build_nodes(dep, config, profile, transfer, spec_acceptance, seed)
-    sim = Simulator(prefill, decode, policy, fabric, on_step)
+    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token)
     t0 = time.perf_counter()
     results, duration = sim.run(trace, [prompt_token_ids(r, VOCAB_SIZE, seed) for r in trace])
     wall = time.perf_counter() - t0
@@ -104,7 +108,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "latencies": [r.latency for r in results], "start_times": [r.start for r in results],
         "generated_texts": [""] * len(results), "errors": [r.error for r in results],
         "request_ids": [r.request_id for r in trace],
-        "sim": {"deployment": dep.name, "router_policy": policy, "profile": profile.raw, "wall_s": wall,
+        "sim": {"deployment": dep.name, "router_policy": policy, "pd_first_token": pd_first_token,
+                "profile": profile.raw, "wall_s": wall,
                 "kv_bytes_transferred": fabric.bytes_moved if fabric else 0,
                 "nodes": [_node_stats(n, role) for role, ns in (("prefill", prefill), ("decode", decode)) for n in ns]},
     }

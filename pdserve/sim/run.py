@@ -82,7 +82,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
     prefill, decode, fabric = build_nodes(dep, config, profile, transfer, spec_acceptance, seed)
     sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token)
     t0 = time.perf_counter()
-    results, duration = sim.run(trace, [prompt_token_ids(r, VOCAB_SIZE, seed) for r in trace])
+    results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
     wall = time.perf_counter() - t0
     metrics = compute_metrics(results, duration, slos)
     steps = Counter()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from pdserve.bench.metrics import RequestResult
 from pdserve.router.nodes import Node as RouterNode
@@ -36,7 +36,7 @@ from pdserve.sim.trace import TraceRequest
 class ClientView:
     """One trace request as the benchmark client sees it."""
     trace: TraceRequest
-    prompt: list[int]
+    prompt: Optional[list[int]]  # made at arrival, dropped at the end: 100k prompts at once would take GBs
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each streamed chunk
     finished: Optional[float] = None
     error: str = ""
@@ -110,9 +110,16 @@ class Simulator:
         self.wake_at[node.name] = t
         self._push(t, "wake", node.name)
 
-    def run(self, trace: list[TraceRequest], prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
-        """(per-request results in trace order, duration: from 0 to the last request's end)."""
-        views = self.views = [ClientView(r, p) for r, p in zip(trace, prompts)]
+    def run(self, trace: list[TraceRequest], prompts: Union[list[list[int]], Callable[[TraceRequest], list[int]]]
+            ) -> tuple[list[RequestResult], float]:
+        """(per-request results in trace order, duration: from 0 to the last request's end). `prompts`: the token
+        ids of each request, or a function making them (called at its arrival, so only requests in flight hold
+        theirs)."""
+        if callable(prompts):
+            self.prompt_for, views = prompts, [ClientView(r, None) for r in trace]
+        else:
+            views = [ClientView(r, p) for r, p in zip(trace, prompts)]
+        self.views = views
         for v in views:
             self._push(v.trace.arrival_time, "arrive", v)
         while self.events:
@@ -149,7 +156,7 @@ class Simulator:
         try:
             req = node.make_request(view.trace.request_id, view.prompt, output_len, t, params)
         except ValueError as e:  # the node's 400: the client's request fails, as in bench serve
-            view.error = str(e)
+            view.error, view.prompt = str(e), None
             return
         rn.in_flight += 1
         self.owner[(node.name, req.request_id)] = view
@@ -159,10 +166,12 @@ class Simulator:
         if req.is_finished:  # P's first token ended it at D's admission: nothing to run (the client has it)
             del self.owner[(node.name, req.request_id)]
             rn.in_flight -= 1
-            view.finished = t
+            view.finished, view.prompt = t, None
         self._wake(node, t)
 
     def _arrive(self, view: ClientView, t: float) -> None:
+        if view.prompt is None:
+            view.prompt = self.prompt_for(view.trace)
         if self.pd and view.trace.prompt_len > 1 and self.first_from_p:
             # the client's own params, the first token asked for: P samples it and stops after it
             self._submit(self.p_pool, view, t, view.trace.output_len, {"do_remote_decode": True, "first_token": True})
@@ -210,10 +219,10 @@ class Simulator:
                 if is_p:
                     view.p_done = rec.end
                     if self.first_from_p and req.kv_transfer_params_out is None:
-                        view.finished = rec.end  # P's token ended the request: P's answer is all of it
+                        view.finished, view.prompt = rec.end, None  # P's token ended it: P's answer is all of it
                     else:
                         self._push(rec.end, "prefilled", (view, req.kv_transfer_params_out))
                 else:
-                    view.finished = rec.end
+                    view.finished, view.prompt = rec.end, None
         if node.has_work():
             self._wake(node, rec.end)

@@ -284,6 +284,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="The SLOs, as vLLM bench serve's --goodput (required): e.g. ttft:200 tpot:50 (metrics ttft, "
                         "tpot, e2el; milliseconds). A request is good when it meets every one; goodput is good "
                         "requests per second.")
+    s.add_argument("--slo-attainment", type=float, default=0.0, metavar="PCT",
+                   help="A rate counts only when at least PCT%% of its requests meet every SLO: e.g. 90 holds the "
+                        "SLOs at the p90 (DistServe's per-GPU goodput); the sweep stops at the first rate short of it "
+                        "(default: 0, vLLM's goodput: every good request counts, at any rate).")
     s.add_argument("--nodes", type=int, default=4,
                    help="Nodes of every candidate deployment: collocated x N and each XpYd with X + Y = N "
                         "(default: 4).")
@@ -348,6 +352,8 @@ def run_plan(args) -> int:
         raise ValueError("--goodput is required: the SLOs a good request meets, e.g. --goodput ttft:200 tpot:50")
     if not all(math.isfinite(v) for v in slos.values()):
         raise ValueError("--goodput: every SLO must be a finite number of milliseconds")
+    if not 0 <= args.slo_attainment <= 100:
+        raise ValueError("--slo-attainment: a percentage in [0, 100]")
     if args.profile is None:
         raise ValueError("--profile is required (pdserve sim calibrate --model DIR writes one)")
     if args.trace is None and args.num_prompts is None:
@@ -419,15 +425,16 @@ def run_plan(args) -> int:
         ranked = plan_search(cands, trace, profile, base, spec_base, slos, transfer=transfer,
                              policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
                              rates=rates, start_rate=start, max_rates=args.max_rates, progress=progress,
-                             pd_first_token=args.pd_first_token)
+                             pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100)
     finally:
         bar.close()
-    table = format_ranking(ranked, slos)
-    print(format_ranking(ranked, slos, args.top))
+    table = format_ranking(ranked, slos, attainment=args.slo_attainment / 100)
+    print(format_ranking(ranked, slos, args.top, args.slo_attainment / 100))
     (out / "ranking.txt").write_text(table + "\n")
     (out / "plan.json").write_text(json.dumps(json_safe({
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "simulated": True, "profile": str(args.profile),
         "model": profile.raw.get("name", "sim"), "goodput_slos_ms": {k: 1000 * v for k, v in slos.items()},
+        "slo_attainment_pct": args.slo_attainment,
         "workload": {"trace": args.trace, "requests": len(trace), "mean_input_len": mean_in,
                      "mean_output_len": mean_out},
         "rates": rates, "start_rate_per_node": start, "max_rates": args.max_rates, "wall_s": time.perf_counter() - t0,

@@ -78,11 +78,16 @@ class RatePoint:
 @dataclass
 class Evaluation:
     candidate: Candidate
+    attainment: float = 0.0  # the share of a rate's requests that must be good for the rate to count
     points: list[RatePoint] = field(default_factory=list)
+
+    def counts(self, p: RatePoint) -> bool:
+        return p.good_share > 0 and p.good_share >= self.attainment - 1e-9  # goodput x duration / n: float noise
 
     @property
     def best(self) -> Optional[RatePoint]:
-        return max(self.points, key=lambda p: (p.goodput, -p.rate), default=None)
+        """The rate with the most goodput among those that count (ties: the lower rate)."""
+        return max((p for p in self.points if self.counts(p)), key=lambda p: (p.goodput, -p.rate), default=None)
 
     @property
     def goodput_per_node(self) -> float:
@@ -134,10 +139,13 @@ def scale_trace(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
 
 
 def evaluate(c: Candidate, trace: list[TraceRequest], rates: Optional[list[float]], start_rate: float,
-             max_rates: int, run: Callable[[Candidate, list[TraceRequest]], dict]) -> Evaluation:
+             max_rates: int, run: Callable[[Candidate, list[TraceRequest]], dict], attainment: float = 0.0
+             ) -> Evaluation:
     """`c` at the given `rates`, or (None) the doubling sweep from `start_rate` with midpoints around the best;
-    `run` simulates one trace (plan_search's closure over the flags)."""
-    ev = Evaluation(c)
+    `run` simulates one trace (plan_search's closure over the flags). With `attainment`, a rate counts only when
+    that share of its requests is good (the SLOs then hold at that percentile), and the sweep stops at the first
+    rate that falls short."""
+    ev = Evaluation(c, attainment)
     n = len(trace)
 
     def at(rate: float) -> RatePoint:
@@ -154,7 +162,7 @@ def evaluate(c: Candidate, trace: list[TraceRequest], rates: Optional[list[float
     rate, best = start_rate, 0.0
     while len(ev.points) < max_rates:
         p = at(rate)
-        if p.goodput < KNEE * best or p.good_share == 0:
+        if p.goodput < KNEE * best or not ev.counts(p):
             break
         best = max(best, p.goodput)
         rate *= 2
@@ -178,8 +186,8 @@ def rank(evals: list[Evaluation]) -> list[Evaluation]:
 def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Profile, base: dict, spec_base: dict,
                 slos: dict[str, float], *, transfer: TransferModel, policy: str, spec_acceptance: float, seed: int,
                 rates: Optional[list[float]], start_rate: float, max_rates: int,
-                progress: Optional[Callable[[Candidate], None]] = None, pd_first_token: str = "replay"
-                ) -> list[Evaluation]:
+                progress: Optional[Callable[[Candidate], None]] = None, pd_first_token: str = "replay",
+                attainment: float = 0.0) -> list[Evaluation]:
     """Every candidate evaluated (progress called after each), ranked; `pd_first_token` applies to the XpYd
     candidates (the router's flag: collocated ones have no router hand-off)."""
     if not slos:
@@ -191,13 +199,14 @@ def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Prof
                         pd_first_token=pd_first_token if c.deployment.num_prefill else "replay")
     evals = []
     for c in cands:
-        evals.append(evaluate(c, trace, rates, start_rate * c.num_nodes, max_rates, run))
+        evals.append(evaluate(c, trace, rates, start_rate * c.num_nodes, max_rates, run, attainment))
         if progress is not None:
             progress(c)
     return rank(evals)
 
 
-def format_ranking(ranked: list[Evaluation], slos: dict[str, float], top: Optional[int] = None) -> str:
+def format_ranking(ranked: list[Evaluation], slos: dict[str, float], top: Optional[int] = None,
+                   attainment: float = 0.0) -> str:
     head = ["#", "deployment", "max_num_seqs", "max_num_batched_tokens", "long_prefill", "K", "goodput/node",
             "goodput", "at rate", "good %", "p90 TTFT ms", "p90 TPOT ms"]
     body = []
@@ -219,7 +228,8 @@ def format_ranking(ranked: list[Evaluation], slos: dict[str, float], top: Option
     if any(e.best and e.best.short(slos) for e in ranked):
         notes.append(f"*: the requests arrive within {SHORT_SPANS}x the latency SLO at this rate, a burst the queue "
                      "may absorb rather than a rate sustained; a longer trace (--num-prompts) tells them apart")
-    return "\n".join([f"pdserve plan: goodput (req/s meeting {slo_text} ms) per node, best rate of each",
+    where = f", at rates where {100 * attainment:g}% or more of the requests meet them" if attainment else ""
+    return "\n".join([f"pdserve plan: goodput (req/s meeting {slo_text} ms{where}) per node, best rate of each",
                       line(head), "-" * len(line(head)), *(line(b) for b in body), *notes])
 
 

@@ -6,9 +6,9 @@ nodes in under 10 minutes on this machine).
     .venv/bin/python benchmarks/sim_scale.py --deployment 16p16d --sizes 10000
 
 The workload: bench serve's random generator (prompts 1024 +- 50%, outputs 128 +- 50%, Poisson arrivals) at a rate
-per node that keeps every node busy (dozens of requests in its batch) without queues that grow without bound (the
-run checks it: the median TTFT of the last tenth of the requests is reported beside the first tenth's), on a roofline
-profile of an 8B-class model (bf16, GQA 8 KV heads) on an H100's datasheet. The rate scales with the node count
+per node that keeps every node busy (the result has each run's busy share and rows per step) without queues that
+grow without bound (the median TTFT of the last tenth of the requests is reported beside the first tenth's), on a
+roofline profile of an 8B-class model (bf16, GQA 8 KV heads) on an H100's datasheet. The rate scales with the node count
 and the trace with the size, so the simulated duration grows linearly with the request count and so should the wall
 time; the table gives simulated requests per wall second at each size. Every size is one run, timed whole (trace
 generation, node construction, the event loop, the metrics); the machine should be quiet (two cores shared).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -66,7 +67,9 @@ def run_one(num: int, args) -> dict:
             "node_busy_share": round(seen["busy"] / (nodes * r["duration"]), 3),
             "median_ttft_ms_first_tenth": round(1e3 * statistics.median(r["ttfts"][:tenth]), 1),
             "median_ttft_ms_last_tenth": round(1e3 * statistics.median(r["ttfts"][-tenth:]), 1),
-            "mean_tpot_ms": round(r["tpot_ms"]["mean"], 2), "output_throughput": round(r["output_throughput"])}
+            "mean_tpot_ms": round(r["tpot_ms"]["mean"], 2), "output_throughput": round(r["output_throughput"]),
+            # the process's peak so far: sizes run smallest first, so it is the largest run's own
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
 def main() -> int:
@@ -87,7 +90,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_scale.json"))
     args = p.parse_args()
     runs = []
-    for num in [int(x) for x in args.sizes.split(",")]:
+    for num in sorted(int(x) for x in args.sizes.split(",")):
         r = run_one(num, args)
         runs.append(r)
         print(json.dumps(r), flush=True)

@@ -343,7 +343,8 @@ def _solo_rate(profile, input_len: float, output_len: float) -> float:
 def run_plan(args) -> int:
     from pdserve.bench.metrics import parse_goodput
     from pdserve.sim.connector import TransferModel
-    from pdserve.sim.plan import (candidates, format_ranking, plan_search, plot_goodput, splits, to_json)
+    from pdserve.sim.plan import (candidates, engine_config, format_ranking, plan_search, plot_goodput, splits,
+                                  to_json)
     from pdserve.sim.profile import load_profile
     from pdserve.sim.run import parse_deployment
     from pdserve.sim.trace import load_trace, random_trace
@@ -388,15 +389,16 @@ def run_plan(args) -> int:
         from pdserve.spec_decode.config import SpeculativeConfig
         try:
             d = json.loads(args.speculative_config)
-            SpeculativeConfig.from_json(json.dumps({**d, "num_speculative_tokens": 1}))
+            if not isinstance(d, dict):
+                raise ValueError(f"a JSON object, got {type(d).__name__}")
+            SpeculativeConfig.from_json(json.dumps({**d, "num_speculative_tokens": 1}))  # K is checked per value
         except ValueError as e:
             raise ValueError(f"--speculative-config: {e}") from None
         spec_base = {k: v for k, v in d.items() if k != "num_speculative_tokens"}
     profile = load_profile(args.profile)
     transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0)
     base = _engine_kwargs(args, (CacheConfig, CompilationConfig))
-    for c in cands:  # every candidate's config checked before the first run, errors naming the flag
-        from pdserve.sim.plan import engine_config
+    for c in cands:  # every candidate's config checked before the first run, an error naming the candidate
         try:
             engine_config(base, c, spec_base)
         except (ValueError, TypeError) as e:

@@ -113,6 +113,9 @@ def profile(tmp_path):
     (["--goodput", "tpot:50", "--max-num-batched-tokens", "4", "--num-speculative-tokens", "4"],
      "--max-num-batched-tokens: every value is below 1 + --num-speculative-tokens"),
     (["--goodput", "tpot:50", "--speculative-config", '{"method": "eagle"}'], "--speculative-config:"),
+    (["--goodput", "tpot:50", "--speculative-config", '[1]'], "--speculative-config: a JSON object, got list"),
+    (["--goodput", "tpot:50", "--num-speculative-tokens", "0,9"], "speculative_config.num_speculative_tokens must "
+                                                                  "be in 1..8, got 9"),
 ])
 def test_bad_flags_are_named(tmp_path, capsys, profile, argv, named):
     err = _err(capsys, ["plan", "--profile", profile, "--num-prompts", "4", "--result-dir", str(tmp_path / "r"),

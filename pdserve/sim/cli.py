@@ -277,7 +277,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, rates="Comma-separated request rates in req/s for a whole deployment, every candidate run "
                                "at each (a trace's arrival times scaled to each). Default: a sweep per candidate, "
                                "doubling from --start-rate until its goodput falls past the knee, then the "
-                               "midpoints on both sides of its best.", num_prompts=PLAN_NUM_PROMPTS)
+                               "bracket around its best halved (the midpoints on both sides, round after round) "
+                               "while --max-rates lasts.", num_prompts=PLAN_NUM_PROMPTS)
     add_fleet_args(p)
     s = p.add_argument_group("search (each list flag: comma-separated values, every combination tried)")
     s.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",

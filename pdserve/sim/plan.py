@@ -6,8 +6,9 @@ the engine knobs that decide its batches (max_num_seqs, max_num_batched_tokens, 
 speculative decoding's K), applied to every node; each is simulated (run.simulate: the engine's own scheduler over
 a step-time profile) over the same workload at a sweep of request rates, and scored by the best goodput over its
 rates divided by its node count. A rate past a candidate's knee drops its goodput (queues grow, TTFTs miss), so
-the sweep doubles the rate from a start until goodput falls below `KNEE` of its best so far, then tries the
-midpoints on both sides of the best (a doubling grid is coarse just where the best lies).
+the sweep doubles the rate from a start until goodput falls below `KNEE` of its best so far, then halves the
+bracket around the best (the midpoints on both sides, round after round) while its runs last (a doubling grid is
+coarse just where the best lies).
 
 Every candidate sees the same requests: one seed for lengths and arrival gaps, the gaps scaled to each rate (a
 trace's arrival times scaled the same way), so two candidates differ by their configuration only.
@@ -28,6 +29,7 @@ KNEE = 0.8  # a rate whose goodput is below this share of the best so far is pas
 # a point whose requests all arrive within this many latency SLOs may be a burst the queue absorbs, not a rate the
 # deployment sustains: the ranking marks it (a longer trace settles it)
 SHORT_SPANS = 10
+REFINE = 0.05  # the sweep stops halving the bracket around the best rate once it is this narrow (a share of the rate)
 
 
 @dataclass(frozen=True)
@@ -141,10 +143,10 @@ def scale_trace(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
 def evaluate(c: Candidate, trace: list[TraceRequest], rates: Optional[list[float]], start_rate: float,
              max_rates: int, run: Callable[[Candidate, list[TraceRequest]], dict], attainment: float = 0.0
              ) -> Evaluation:
-    """`c` at the given `rates`, or (None) the doubling sweep from `start_rate` with midpoints around the best;
-    `run` simulates one trace (plan_search's closure over the flags). With `attainment`, a rate counts only when
-    that share of its requests is good (the SLOs then hold at that percentile), and the sweep stops at the first
-    rate that falls short."""
+    """`c` at the given `rates`, or (None) the doubling sweep from `start_rate`, then the bracket around the best
+    halved, at most `max_rates` runs; `run` simulates one trace (plan_search's closure over the flags). With
+    `attainment`, a rate counts only when that share of its requests is good (the SLOs then hold at that
+    percentile), and the doubling stops at the first rate that falls short."""
     ev = Evaluation(c, attainment)
     n = len(trace)
 
@@ -166,13 +168,18 @@ def evaluate(c: Candidate, trace: list[TraceRequest], rates: Optional[list[float
             break
         best = max(best, p.goodput)
         rate *= 2
-    b = ev.best
-    if b is not None and b.goodput > 0:
+    # halve the bracket around the best while runs are left: each round the midpoints between the best rate and
+    # its neighbours, until they lie within REFINE of it
+    while len(ev.points) < max_rates and (b := ev.best) is not None:
         seen = sorted(p.rate for p in ev.points)
         i = seen.index(b.rate)
-        for lo, hi in ((seen[i - 1] if i else None, b.rate), (b.rate, seen[i + 1] if i + 1 < len(seen) else None)):
-            if lo is not None and hi is not None and len(ev.points) < max_rates:
-                at((lo + hi) / 2)
+        mids = [(lo + hi) / 2 for lo, hi in ((seen[i - 1] if i else None, b.rate),
+                                             (b.rate, seen[i + 1] if i + 1 < len(seen) else None))
+                if lo is not None and hi is not None and hi - lo > REFINE * b.rate]
+        if not mids:
+            break
+        for m in mids[:max_rates - len(ev.points)]:
+            at(m)
     ev.points.sort(key=lambda p: p.rate)
     return ev
 

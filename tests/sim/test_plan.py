@@ -3,7 +3,6 @@ lists refused naming the flag, --help on every flag, the files a run writes)."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.sim.connector import TransferModel
-from pdserve.sim.plan import candidates, plan_search, scale_trace, splits
+from pdserve.sim.plan import candidates, evaluate, plan_search, scale_trace, splits
 from pdserve.sim.profile import profile_from_dict
 from pdserve.sim.trace import TraceRequest, random_trace
 
@@ -51,25 +50,48 @@ def test_cheap_prefill_and_a_decode_bound_node_rank_collocated_first():
     assert ranked[0].goodput_per_node > 1.5 * ranked[1].goodput_per_node
 
 
-def test_the_sweep_stops_past_the_knee_and_refines_around_the_best():
-    ranked = plan_search(candidates(splits(2), [8], [2048], [0], [0]), random_trace(200, 512, 64, 1.0, seed=0),
-                         profile_from_dict(roofline(6.25e8)), {"max_model_len": 2048}, {}, {"tpot": 0.05, "ttft": 0.5},
-                         transfer=TransferModel(1e12, 0.0), policy="round-robin", spec_acceptance=0.0, seed=0,
-                         rates=None, start_rate=8.0, max_rates=8)
-    for e in ranked:
-        n = e.candidate.num_nodes
-        rates = [p.rate for p in e.points]
-        doubling = [r for r in rates if math.log2(r / (8.0 * n)).is_integer()]
-        assert rates == sorted(rates) and len(rates) <= 8 and doubling[0] == 8.0 * n
-        best = e.best
-        assert best.goodput == max(p.goodput for p in e.points) and best.goodput <= best.rate
-        # doubled until a rate past the knee (its goodput below 80% of the best), which ends the doubling
-        assert e.points[rates.index(doubling[-1])].goodput < 0.8 * best.goodput
-        # then the midpoints on both sides of the best doubling rate
-        i = doubling.index(max(doubling, key=lambda r: e.points[rates.index(r)].goodput))
-        mids = sorted(set(rates) - set(doubling))
-        assert mids == sorted(m for m in ((doubling[i - 1] + doubling[i]) / 2 if i else None,
-                                          (doubling[i] + doubling[i + 1]) / 2) if m is not None)
+def _curve_run(goodput_at):
+    """A stand-in for plan_search's simulation: the goodput `goodput_at(rate)` of a trace arriving at `rate`."""
+    def run(c, tr):
+        rate = len(tr) / tr[-1].arrival_time
+        g = goodput_at(rate)
+        return {"request_goodput": g, "request_throughput": g, "duration": len(tr) / rate, "failed": 0,
+                "ttft_ms": {}, "tpot_ms": {}}
+    return run
+
+
+def test_the_sweep_doubles_to_the_knee_then_halves_the_bracket_around_the_best():
+    trace = random_trace(50, 10, 2, 1.0, seed=1)
+    c = candidates(splits(1), [8], [64], [0], [0])[0]
+    peak = 117.0  # goodput = rate up to the peak, then falls twice as fast
+
+    def g(r):
+        return r if r <= peak else max(0.0, peak - 2 * (r - peak))
+    order = []
+    ev = evaluate(c, trace, None, 10.0, 12, lambda c, tr: order.append(round(len(tr) / tr[-1].arrival_time, 6))
+                  or _curve_run(g)(c, tr))
+    # doubling from the start until goodput falls below 80% of the best so far (160: 31 < 0.8 x 80)
+    assert order[:5] == [10, 20, 40, 80, 160]
+    # then the midpoints around the best, round after round: 60 and 120; 100 and 140 around 120; ...
+    assert order[5:9] == [60, 120, 100, 140]
+    assert len(order) <= 12 and [p.rate for p in ev.points] == sorted(order)
+    assert abs(ev.best.rate - peak) < 0.05 * peak  # the bracket closed on the peak
+    # a budget of 6 runs: one midpoint after the doubling, the lower one
+    order.clear()
+    evaluate(c, trace, None, 10.0, 6, lambda c, tr: order.append(round(len(tr) / tr[-1].arrival_time, 6))
+             or _curve_run(g)(c, tr))
+    assert order == [10, 20, 40, 80, 160, 60]
+
+
+def test_the_sweep_stops_at_the_budget_and_at_a_rate_with_no_good_request():
+    trace = random_trace(50, 10, 2, 1.0, seed=1)
+    c = candidates(splits(1), [8], [64], [0], [0])[0]
+    ev = evaluate(c, trace, None, 1.0, 4, _curve_run(lambda r: r))  # never a knee: the budget ends it
+    assert [p.rate for p in ev.points] == pytest.approx([1, 2, 4, 8])
+    ev = evaluate(c, trace, None, 1.0, 8, _curve_run(lambda r: 0.0 if r > 3.2 else r))
+    # 4: none good, the doubling stops; then 1.5, 3 around 2; 2.5, 3.5 around 3; the budget has room for 2.75
+    assert [round(p.rate, 6) for p in ev.points] == [1, 1.5, 2, 2.5, 2.75, 3, 3.5, 4]
+    assert ev.best.rate == pytest.approx(3)
 
 
 def test_scaled_traces_keep_their_requests_and_reach_the_rate():

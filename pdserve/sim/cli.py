@@ -307,8 +307,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="The n-gram drafter for K > 0, K itself from --num-speculative-tokens (default: "
                         f"{json.dumps(PLAN_SPEC_BASE)}).")
     s.add_argument("--start-rate", type=float, default=None,
-                   help="The sweep's first rate, per node in req/s (default: one node's rate at which a mean "
-                        "request runs alone: 1 / (its prefill step + its decode steps) on the profile).")
+                   help="The sweep's first rate, per node in req/s (default: an eighth of what the candidate serves "
+                        "by a rough estimate from the profile: its prefill nodes' mean prompts back to back, its "
+                        "decode nodes' steps full at max_num_seqs rows).")
     s.add_argument("--max-rates", type=int, default=8, help="Most rates a candidate's sweep runs (default: 8).")
     for cls in (CacheConfig, CompilationConfig):
         add_dataclass_args(p, cls)
@@ -330,15 +331,6 @@ def _int_list(flag: str, text: str, lo: int) -> list[int]:
     if not vals or min(vals) < lo:
         raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers >= {lo}")
     return sorted(set(vals))
-
-
-def _solo_rate(profile, input_len: float, output_len: float) -> float:
-    """Requests per second one node serves one at a time: 1 / (a prompt's prefill step + its decode steps)."""
-    from pdserve.sim.profile import StepShape
-    n, m = max(1, round(input_len)), max(1, round(output_len))
-    t = profile.step_time(StepShape("PIECEWISE", n, n, 1, n, n * (n + 1) // 2))
-    t += (m - 1) * profile.step_time(StepShape("FULL", 1, 1, 1, n + m // 2, n + m // 2))
-    return 1.0 / t
 
 
 def run_plan(args) -> int:
@@ -411,7 +403,6 @@ def run_plan(args) -> int:
                              args.random_range_ratio, args.burstiness, args.seed, args.random_prefix_len)
     mean_in = sum(r.prompt_len for r in trace) / len(trace)
     mean_out = sum(r.output_len for r in trace) / len(trace)
-    start = args.start_rate or _solo_rate(profile, mean_in, mean_out)
     out = Path(args.result_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -427,7 +418,7 @@ def run_plan(args) -> int:
     try:
         ranked = plan_search(cands, trace, profile, base, spec_base, slos, transfer=transfer,
                              policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
-                             rates=rates, start_rate=start, max_rates=args.max_rates, progress=progress,
+                             rates=rates, start_rate=args.start_rate, max_rates=args.max_rates, progress=progress,
                              pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100)
     finally:
         bar.close()
@@ -440,7 +431,8 @@ def run_plan(args) -> int:
         "slo_attainment_pct": args.slo_attainment,
         "workload": {"trace": args.trace, "requests": len(trace), "mean_input_len": mean_in,
                      "mean_output_len": mean_out},
-        "rates": rates, "start_rate_per_node": start, "max_rates": args.max_rates, "wall_s": time.perf_counter() - t0,
+        "rates": rates, "start_rate_per_node": args.start_rate, "max_rates": args.max_rates,
+        "wall_s": time.perf_counter() - t0,
         "ranking": to_json(ranked)}), indent=1))
     png = plot_goodput(ranked, out / "plan.png", args.plot_top) if args.plot_top else None
     print(f"[plan] {len(cands)} candidates in {time.perf_counter() - t0:.1f} s; results in {out}/ (plan.json, "

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from pdserve.config import EngineConfig
 from pdserve.sim.connector import TransferModel
-from pdserve.sim.profile import Profile
+from pdserve.sim.profile import Profile, StepShape
 from pdserve.sim.run import Deployment, simulate
 from pdserve.sim.trace import TraceRequest
 
@@ -29,6 +29,7 @@ KNEE = 0.8  # a rate whose goodput is below this share of the best so far is pas
 # a point whose requests all arrive within this many latency SLOs may be a burst the queue absorbs, not a rate the
 # deployment sustains: the ranking marks it (a longer trace settles it)
 SHORT_SPANS = 10
+START_SHARE = 1 / 8  # the sweep's default first rate, of capacity()'s estimate: three doublings reach it
 REFINE = 0.05  # the sweep stops halving the bracket around the best rate once it is this narrow (a share of the rate)
 
 
@@ -184,6 +185,25 @@ def evaluate(c: Candidate, trace: list[TraceRequest], rates: Optional[list[float
     return ev
 
 
+def capacity(profile: Profile, c: Candidate, mean_in: float, mean_out: float) -> float:
+    """Requests per second `c` serves by a rough estimate from the profile: each prefill node's mean prompts back to
+    back in chunks of the token budget, each decode node's steps full (max_num_seqs rows at the mean context), KV
+    blocks and queues ignored; a collocated node does both in turn (its mixed steps may do better). The sweep
+    starts at START_SHARE of it, well below the knee."""
+    n, m = max(1, round(mean_in)), max(1, round(mean_out))
+    t_pre, done = 0.0, 0
+    while done < n:  # the prompt's chunks, each over the KV of those before it
+        q = min(n - done, c.max_num_batched_tokens)
+        t_pre += profile.step_time(StepShape("PIECEWISE", q, q, 1, done + q, q * done + q * (q + 1) // 2))
+        done += q
+    b, ctx = c.max_num_seqs, n + m // 2
+    t_dec = (m - 1) * profile.step_time(StepShape("FULL", b, b, b, b * ctx, b * ctx)) / b  # a request's share
+    d = c.deployment
+    if not d.num_prefill:
+        return d.num_decode / (t_pre + t_dec)
+    return min(d.num_prefill / t_pre, d.num_decode / t_dec if t_dec > 0 else math.inf)
+
+
 def rank(evals: list[Evaluation]) -> list[Evaluation]:
     """Most goodput per node first; ties: fewer nodes idle on the way (higher throughput), then the label."""
     return sorted(evals, key=lambda e: (-e.goodput_per_node, -(e.best.throughput if e.best else 0),
@@ -192,11 +212,12 @@ def rank(evals: list[Evaluation]) -> list[Evaluation]:
 
 def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Profile, base: dict, spec_base: dict,
                 slos: dict[str, float], *, transfer: TransferModel, policy: str, spec_acceptance: float, seed: int,
-                rates: Optional[list[float]], start_rate: float, max_rates: int,
+                rates: Optional[list[float]], start_rate: Optional[float], max_rates: int,
                 progress: Optional[Callable[[Candidate], None]] = None, pd_first_token: str = "replay",
                 attainment: float = 0.0) -> list[Evaluation]:
-    """Every candidate evaluated (progress called after each), ranked; `pd_first_token` applies to the XpYd
-    candidates (the router's flag: collocated ones have no router hand-off)."""
+    """Every candidate evaluated (progress called after each), ranked; the sweep starts at `start_rate` per node,
+    or (None) at START_SHARE of the candidate's capacity(); `pd_first_token` applies to the XpYd candidates (the
+    router's flag: collocated ones have no router hand-off)."""
     if not slos:
         raise ValueError("--goodput: give at least one SLO (e.g. --goodput ttft:200 tpot:50)")
 
@@ -206,7 +227,9 @@ def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Prof
                         pd_first_token=pd_first_token if c.deployment.num_prefill else "replay")
     evals = []
     for c in cands:
-        evals.append(evaluate(c, trace, rates, start_rate * c.num_nodes, max_rates, run, attainment))
+        start = start_rate * c.num_nodes if start_rate is not None else START_SHARE * capacity(
+            profile, c, sum(r.prompt_len for r in trace) / len(trace), sum(r.output_len for r in trace) / len(trace))
+        evals.append(evaluate(c, trace, rates, start, max_rates, run, attainment))
         if progress is not None:
             progress(c)
     return rank(evals)

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.sim.connector import TransferModel
-from pdserve.sim.plan import candidates, evaluate, plan_search, scale_trace, splits
+from pdserve.sim.plan import candidates, capacity, evaluate, plan_search, scale_trace, splits
 from pdserve.sim.profile import profile_from_dict
 from pdserve.sim.trace import TraceRequest, random_trace
 
@@ -92,6 +92,26 @@ def test_the_sweep_stops_at_the_budget_and_at_a_rate_with_no_good_request():
     # 4: none good, the doubling stops; then 1.5, 3 around 2; 2.5, 3.5 around 3; the budget has room for 2.75
     assert [round(p.rate, 6) for p in ev.points] == [1, 1.5, 2, 2.5, 2.75, 3, 3.5, 4]
     assert ev.best.rate == pytest.approx(3)
+
+
+def test_the_default_sweep_starts_at_an_eighth_of_the_capacity_estimate():
+    """The capacity estimate (prefill back to back, decode steps full) is what the sweep starts at an eighth of:
+    each candidate's simulated goodput peaks near it on this decode-bound workload (collocated a little above: its
+    mixed steps decode while they prefill, at the cost of a prefill step)."""
+    profile = profile_from_dict(roofline(6.25e8))
+    trace = random_trace(200, 512, 64, 1.0, seed=0)
+    cands = candidates(splits(2), [8], [2048], [0], [0])
+    ranked = plan_search(cands, trace, profile, {"max_model_len": 2048}, {}, {"tpot": 0.05, "ttft": 0.5},
+                         transfer=TransferModel(1e12, 0.0), policy="round-robin", spec_acceptance=0.0, seed=0,
+                         rates=None, start_rate=None, max_rates=8)
+    mean_in = sum(r.prompt_len for r in trace) / len(trace)
+    for e in ranked:
+        estimate = capacity(profile, e.candidate, mean_in, 64)
+        assert e.points[0].rate == pytest.approx(estimate / 8)
+        assert 0.7 * estimate < e.best.goodput < 1.3 * estimate, e.candidate.label
+    # collocated: both nodes prefill and decode; 1P1D: its one D's full steps bound it
+    c, pd = (e.candidate for e in sorted(ranked, key=lambda e: e.candidate.split, reverse=True))
+    assert capacity(profile, c, mean_in, 64) > 1.5 * capacity(profile, pd, mean_in, 64)
 
 
 def test_scaled_traces_keep_their_requests_and_reach_the_rate():

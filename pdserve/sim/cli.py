@@ -307,7 +307,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="The n-gram drafter for K > 0, K itself from --num-speculative-tokens (default: "
                         f"{json.dumps(PLAN_SPEC_BASE)}).")
     s.add_argument("--start-rate", type=float, default=None,
-                   help="The sweep's first rate, per node in req/s (default: an eighth of what the candidate serves "
+                   help="The sweep's first rate, per node in req/s (default: a quarter of what the candidate serves "
                         "by a rough estimate from the profile: its prefill nodes' mean prompts back to back, its "
                         "decode nodes' steps full at max_num_seqs rows).")
     s.add_argument("--max-rates", type=int, default=8, help="Most rates a candidate's sweep runs (default: 8).")

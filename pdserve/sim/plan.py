@@ -29,7 +29,7 @@ KNEE = 0.8  # a rate whose goodput is below this share of the best so far is pas
 # a point whose requests all arrive within this many latency SLOs may be a burst the queue absorbs, not a rate the
 # deployment sustains: the ranking marks it (a longer trace settles it)
 SHORT_SPANS = 10
-START_SHARE = 1 / 8  # the sweep's default first rate, of capacity()'s estimate: three doublings reach it
+START_SHARE = 1 / 4  # the sweep's default first rate, of capacity()'s estimate: two doublings reach it
 REFINE = 0.05  # the sweep stops halving the bracket around the best rate once it is this narrow (a share of the rate)
 
 
@@ -169,13 +169,17 @@ def evaluate(c: Candidate, trace: list[TraceRequest], rates: Optional[list[float
             break
         best = max(best, p.goodput)
         rate *= 2
+    rate = start_rate / 2
+    while len(ev.points) < max_rates and ev.best is None:  # the start was past the knee already: halve down
+        at(rate)
+        rate /= 2
     # halve the bracket around the best while runs are left: each round the midpoints between the best rate and
-    # its neighbours, until they lie within REFINE of it
+    # its neighbours (the upper first: goodput climbs to just below the knee), until within REFINE of it
     while len(ev.points) < max_rates and (b := ev.best) is not None:
         seen = sorted(p.rate for p in ev.points)
         i = seen.index(b.rate)
-        mids = [(lo + hi) / 2 for lo, hi in ((seen[i - 1] if i else None, b.rate),
-                                             (b.rate, seen[i + 1] if i + 1 < len(seen) else None))
+        mids = [(lo + hi) / 2 for lo, hi in ((b.rate, seen[i + 1] if i + 1 < len(seen) else None),
+                                             (seen[i - 1] if i else None, b.rate))
                 if lo is not None and hi is not None and hi - lo > REFINE * b.rate]
         if not mids:
             break

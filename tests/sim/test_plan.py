@@ -72,15 +72,20 @@ def test_the_sweep_doubles_to_the_knee_then_halves_the_bracket_around_the_best()
                   or _curve_run(g)(c, tr))
     # doubling from the start until goodput falls below 80% of the best so far (160: 31 < 0.8 x 80)
     assert order[:5] == [10, 20, 40, 80, 160]
-    # then the midpoints around the best, round after round: 60 and 120; 100 and 140 around 120; ...
-    assert order[5:9] == [60, 120, 100, 140]
+    # then the midpoints around the best, the upper first, round after round: 120 and 60; 140 and 100 around 120
+    assert order[5:9] == [120, 60, 140, 100]
     assert len(order) <= 12 and [p.rate for p in ev.points] == sorted(order)
     assert abs(ev.best.rate - peak) < 0.05 * peak  # the bracket closed on the peak
-    # a budget of 6 runs: one midpoint after the doubling, the lower one
+    # a budget of 6 runs: one midpoint after the doubling, the upper one
     order.clear()
     evaluate(c, trace, None, 10.0, 6, lambda c, tr: order.append(round(len(tr) / tr[-1].arrival_time, 6))
              or _curve_run(g)(c, tr))
-    assert order == [10, 20, 40, 80, 160, 60]
+    assert order == [10, 20, 40, 80, 160, 120]
+    # a start past the knee (nothing good at 200): the sweep halves down until a rate counts, then refines
+    order.clear()
+    ev = evaluate(c, trace, None, 200.0, 12, lambda c, tr: order.append(round(len(tr) / tr[-1].arrival_time, 6))
+                  or _curve_run(g)(c, tr))
+    assert order[:3] == [200, 100, 150] and abs(ev.best.rate - peak) < 0.05 * peak
 
 
 def test_the_sweep_stops_at_the_budget_and_at_a_rate_with_no_good_request():
@@ -89,13 +94,13 @@ def test_the_sweep_stops_at_the_budget_and_at_a_rate_with_no_good_request():
     ev = evaluate(c, trace, None, 1.0, 4, _curve_run(lambda r: r))  # never a knee: the budget ends it
     assert [p.rate for p in ev.points] == pytest.approx([1, 2, 4, 8])
     ev = evaluate(c, trace, None, 1.0, 8, _curve_run(lambda r: 0.0 if r > 3.2 else r))
-    # 4: none good, the doubling stops; then 1.5, 3 around 2; 2.5, 3.5 around 3; the budget has room for 2.75
-    assert [round(p.rate, 6) for p in ev.points] == [1, 1.5, 2, 2.5, 2.75, 3, 3.5, 4]
+    # 4: none good, the doubling stops; then 3, 1.5 around 2; 3.5, 2.5 around 3; the budget has room for 3.25
+    assert [round(p.rate, 6) for p in ev.points] == [1, 1.5, 2, 2.5, 3, 3.25, 3.5, 4]
     assert ev.best.rate == pytest.approx(3)
 
 
-def test_the_default_sweep_starts_at_an_eighth_of_the_capacity_estimate():
-    """The capacity estimate (prefill back to back, decode steps full) is what the sweep starts at an eighth of:
+def test_the_default_sweep_starts_at_a_quarter_of_the_capacity_estimate():
+    """The capacity estimate (prefill back to back, decode steps full) is what the sweep starts at a quarter of:
     each candidate's simulated goodput peaks near it on this decode-bound workload (collocated a little above: its
     mixed steps decode while they prefill, at the cost of a prefill step)."""
     profile = profile_from_dict(roofline(6.25e8))
@@ -107,7 +112,7 @@ def test_the_default_sweep_starts_at_an_eighth_of_the_capacity_estimate():
     mean_in = sum(r.prompt_len for r in trace) / len(trace)
     for e in ranked:
         estimate = capacity(profile, e.candidate, mean_in, 64)
-        assert e.points[0].rate == pytest.approx(estimate / 8)
+        assert e.points[0].rate == pytest.approx(estimate / 4)
         assert 0.7 * estimate < e.best.goodput < 1.3 * estimate, e.candidate.label
     # collocated: both nodes prefill and decode; 1P1D: its one D's full steps bound it
     c, pd = (e.candidate for e in sorted(ranked, key=lambda e: e.candidate.split, reverse=True))

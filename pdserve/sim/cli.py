@@ -295,14 +295,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--deployments", default=None, metavar="LIST",
                    help="Only these splits, e.g. collocated,1p3d (default: all of --nodes).")
     for name, default in PLAN_GRID.items():
-        what = {"max_num_seqs": "max_num_seqs values (most requests in a step)",
-                "max_num_batched_tokens": "max_num_batched_tokens values (the step's token budget)",
-                "long_prefill_token_threshold": "long_prefill_token_threshold values (the most tokens of one "
-                                                "prompt's chunk in a step; 0: the budget only)",
-                "num_speculative_tokens": "speculative decoding K values (0: none; K > 0: n-gram drafting, "
+        what = {"max_num_seqs": "the most requests in a step",
+                "max_num_batched_tokens": "the step's token budget",
+                "long_prefill_token_threshold": "the most tokens of one prompt's chunk in a step (0: the budget "
+                                                "only)",
+                "num_speculative_tokens": "speculative decoding's K (0: none; K > 0: n-gram drafting with "
                                           "--speculative-config's other fields)"}[name]
         s.add_argument("--" + name.replace("_", "-"), default=default, metavar="LIST",
-                       help=f"{what[0].upper()}{what[1:]} (default: {default}).")
+                       help=f"The {name} values to try: {what} (default: {default}).")
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="The n-gram drafter for K > 0, K itself from --num-speculative-tokens (default: "
                         f"{json.dumps(PLAN_SPEC_BASE)}).")

@@ -139,3 +139,23 @@ def test_the_cli_flag_names_the_arm_and_is_refused_collocated(tmp_path, capsys):
     run = json.loads((tmp_path / "r" / "first-token_rate1.json").read_text())
     assert run["completed"] == 6 and run["sim"]["pd_first_token"] == "prefill"
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["arms"] == ["first-token"]
+
+
+def test_speculative_decoding_on_d_after_ps_token(linear_profile):
+    """D drafts from the first token on (the n-gram proposer reads P's token as the request's own): every request
+    runs to its length, drafts are taken, and both pools end whole."""
+    from pdserve.spec_decode.config import SpeculativeConfig
+    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                                       '"prompt_lookup_max": 2}')
+    trace = random_trace(12, 64, 40, request_rate=6.0, seed=8)
+    prefill, decode, fabric = build_nodes(parse_deployment("1p1d"), cfg(speculative_config=spec,
+                                                                        full_graph_rule="strict"),
+                                          linear_profile, FAST, 0.7, 0)
+    sim = Simulator(prefill, decode, "round-robin", fabric, pd_first_token="prefill")
+    results, _ = sim.run(trace, lambda t: prompt_token_ids(t, 32000))
+    assert [r.output_tokens for r in results] == [40] * 12
+    assert decode[0].spec_counts["num_accepted_tokens"] > 0
+    assert decode[0].graph_stats.snapshot()["non_full_steps"] == 0  # q = 1 + K rows over imported KV: FULL
+    for node in prefill + decode:
+        node.scheduler.check_invariants()
+        assert node.kv.num_free_blocks() == node.kv.pool.num_blocks - 1, node.name

@@ -216,3 +216,18 @@ def test_slo_attainment_counts_only_rates_where_that_share_is_good():
     assert [best[a].rate for a in (0.0, 0.9, 0.99)] == [16.0, 12.0, 8.0]
     assert best[0.0].good_share < 0.9 <= best[0.9].good_share < 0.99 <= best[0.99].good_share
     assert best[0.0].goodput > best[0.9].goodput > best[0.99].goodput
+
+
+def test_the_first_token_from_p_reaches_the_xpyd_candidates():
+    """--pd-first-token prefill takes the KV transfer out of 1P1D's TTFT: with a 50 ms link and a 40 ms TTFT SLO
+    no request is good in replay and all are with the token from P; collocated is run as it is."""
+    trace = random_trace(40, 256, 16, 1.0, seed=3)
+    res = {}
+    for mode in ("replay", "prefill"):
+        ranked = plan_search(candidates(splits(2), [8], [2048], [0], [0]), trace, profile_from_dict(roofline(6.25e8)),
+                             {"max_model_len": 2048}, {}, {"ttft": 0.04}, transfer=TransferModel(1e12, 0.05),
+                             policy="round-robin", spec_acceptance=0.0, seed=0, rates=[4.0], start_rate=None,
+                             max_rates=1, pd_first_token=mode)
+        res[mode] = {e.candidate.split: e.points[0] for e in ranked}
+    assert res["replay"]["1P1D"].good_share == 0 and res["prefill"]["1P1D"].good_share == 1
+    assert res["replay"]["collocated"] == res["prefill"]["collocated"]

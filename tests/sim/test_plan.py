@@ -231,3 +231,20 @@ def test_the_first_token_from_p_reaches_the_xpyd_candidates():
         res[mode] = {e.candidate.split: e.points[0] for e in ranked}
     assert res["replay"]["1P1D"].good_share == 0 and res["prefill"]["1P1D"].good_share == 1
     assert res["replay"]["collocated"] == res["prefill"]["collocated"]
+
+
+def test_a_trace_is_scaled_to_the_rates_and_random_flags_are_refused_with_it(tmp_path, capsys, profile):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_time": 0.1 * i, "prompt_len": 40 + i, "output_len": 4})
+                               for i in range(30)) + "\n")
+    base = ["plan", "--profile", profile, "--trace", str(trace), "--goodput", "e2el:500", "--nodes", "1",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--result-dir", str(tmp_path / "r"),
+            "--quiet"]
+    assert "--random-input-len is for the random generator" in _err(capsys, base + ["--random-input-len", "8"])
+    assert main(base + ["--request-rate", "5,50"]) == 0
+    plan = json.loads((tmp_path / "r" / "plan.json").read_text())
+    assert plan["workload"]["requests"] == 30 and plan["workload"]["trace"] == str(trace)
+    (only,) = plan["ranking"]
+    assert only["deployment"] == "collocated" and [p["rate"] for p in only["points"]] == [5.0, 50.0]
+    # arrivals scaled so that 30 requests over the last arrival time make the rate
+    assert [p["span_s"] for p in only["points"]] == pytest.approx([30 / 5, 30 / 50])

@@ -87,11 +87,33 @@ def main() -> int:
     p.add_argument("--kv-cache-gb", type=float, default=40.0, help="KV cache per node in GiB (default: 40).")
     p.add_argument("--router-policy", default="least-loaded", choices=("round-robin", "least-loaded"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cprofile", action="store_true",
+                   help="Run under cProfile and keep each run's 15 functions with the most own time (slower: "
+                        "compare the shares, not the wall times).")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_scale.json"))
     args = p.parse_args()
     runs = []
     for num in sorted(int(x) for x in args.sizes.split(",")):
-        r = run_one(num, args)
+        if args.cprofile:  # where a simulated step's time goes: the engine's own code, or the simulator's
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            r = prof.runcall(run_one, num, args)
+            st = pstats.Stats(prof)
+            total = sum(v[2] for v in st.stats.values())
+            top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:15]
+            by = {}
+            for (f, _, _), v in st.stats.items():  # own time by where the code lives
+                key = str(Path(f).relative_to(ROOT).parent) if f.startswith(str(ROOT)) else \
+                    "builtins" if f == "~" else "other (numpy, stdlib)"
+                by[key] = by.get(key, 0.0) + v[2]
+            r["cprofile_own_time_by_package"] = {k: round(v / total, 3) for k, v in
+                                                 sorted(by.items(), key=lambda kv: -kv[1])}
+            r["cprofile_own_time"] = [{"function": f"{Path(f).relative_to(ROOT) if f.startswith(str(ROOT)) else f}"
+                                                   f":{line}({name})", "s": round(v[2], 3),
+                                       "share": round(v[2] / total, 3)} for (f, line, name), v in top]
+        else:
+            r = run_one(num, args)
         runs.append(r)
         print(json.dumps(r), flush=True)
     base = runs[0]

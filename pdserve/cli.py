@@ -1,4 +1,5 @@
-"""`pdserve` command line: make-model | generate | serve | router | bench serve | bench pd | sim | sim calibrate."""
+"""`pdserve` command line: make-model | generate | serve | router | bench serve | bench pd | sim | sim calibrate |
+plan."""
 from __future__ import annotations
 
 import argparse
@@ -197,6 +198,23 @@ def cmd_sim(args) -> int:
     return run_calibrate(args) if args.sim_command == "calibrate" else run_sim(args)
 
 
+def _plan_parser(sub) -> None:
+    from pdserve.sim.cli import add_plan_args
+    add_plan_args(sub.add_parser(
+        "plan", help="Search the P:D split and node knobs for the most goodput per node (simulated).",
+        description="For a workload (a trace or bench serve's random generator) and SLOs (--goodput, vLLM's "
+                    "form), simulate every candidate deployment of --nodes nodes (collocated and each XpYd) "
+                    "under every combination of the knob lists, each over a sweep of request rates, and rank them "
+                    "by goodput per node (requests/s meeting every SLO, at the candidate's best rate, over its "
+                    "node count). Prints the ranking; writes plan.json, ranking.txt and plan.png (goodput against "
+                    "rate for the best few). docs/sim.md."))
+
+
+def cmd_plan(args) -> int:
+    from pdserve.sim.cli import run_plan
+    return run_plan(args)
+
+
 def cmd_make_model(args) -> int:
     from pdserve.model.make_model import default_model_dir, is_complete, make_model
     if args.out is not None and not args.out.strip():
@@ -247,9 +265,10 @@ def main(argv=None) -> int:
     _router_parser(sub)
     _bench_parser(sub)
     _sim_parser(sub)
+    _plan_parser(sub)
     args = parser.parse_args(argv)
     handlers = {"make-model": cmd_make_model, "generate": cmd_generate, "serve": cmd_serve, "router": cmd_router,
-                "bench": cmd_bench, "sim": cmd_sim}
+                "bench": cmd_bench, "sim": cmd_sim, "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:

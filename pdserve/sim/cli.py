@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -26,32 +27,50 @@ DEFAULT_LATENCY_MS = 1.0
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p, rates="Random: comma-separated request rates in req/s, one run each (inf: all at once; "
+                               "default: 1).")
+    d = add_fleet_args(p)
+    d.add_argument("--deployment", default="collocated",
+                   help="collocated, or XpYd (1p1d, 2p4d, ...) behind pdserve's router policy (default: "
+                        "collocated).")
+    d.add_argument("--nodes", type=int, default=1, help="Collocated: how many nodes (default: 1).")
+    d.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="Speculative decoding as `pdserve serve --speculative-config` (n-gram drafting; the "
+                        "scheduler's own draft bookkeeping, acceptance from --spec-acceptance).")
+    for cls in (CacheConfig, SchedulerConfig, CompilationConfig):
+        add_dataclass_args(p, cls)
+    p.add_argument("--result-dir", default="sim-results", help="Where results go (default: sim-results).")
+    p.add_argument("--quiet", action="store_true", help="No metrics table per run.")
+
+
+def add_workload_args(p: argparse.ArgumentParser, rates: str, num_prompts: int = 64) -> None:
+    """The trace, or bench serve's random generator (shared by sim and plan; `rates` is --request-rate's help,
+    `num_prompts` the default the command sets when --num-prompts is left out)."""
     g = p.add_argument_group("workload (a trace, or bench serve's random generator)")
     g.add_argument("--trace", default=None, metavar="FILE.jsonl",
                    help="JSONL, one request a line: {\"arrival_time\": s, \"prompt_len\": n, \"output_len\": m} with "
                         "optional prefix_group, prefix_len, request_id (docs/sim.md). Without it, the random "
                         "generator below.")
-    g.add_argument("--num-prompts", type=int, default=None, help="Random: requests per rate (default: 64).")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"Random: requests per rate (default: {num_prompts}).")
     g.add_argument("--random-input-len", type=int, default=None, help="Random: mean prompt tokens (default: 256).")
     g.add_argument("--random-output-len", type=int, default=None, help="Random: output tokens (default: 64).")
     g.add_argument("--random-range-ratio", type=float, default=None,
                    help="Random: lengths drawn in [mean x (1 - r), mean x (1 + r)], as bench serve (default: 0).")
     g.add_argument("--random-prefix-len", type=int, default=None,
                    help="Random: tokens every prompt starts with, added to the input length (default: 0).")
-    g.add_argument("--request-rate", default=None, metavar="RATES",
-                   help="Random: comma-separated request rates in req/s, one run each (inf: all at once; default: "
-                        "1).")
+    g.add_argument("--request-rate", default=None, metavar="RATES", help=rates)
     g.add_argument("--burstiness", type=float, default=None,
                    help="Random: gamma shape of the arrival gaps, 1 = Poisson (default: 1).")
     g.add_argument("--seed", type=int, default=0, help="Seed for lengths, arrivals, token ids (default: 0).")
+
+
+def add_fleet_args(p: argparse.ArgumentParser):
+    """The profile, the router, the KV fabric, the stand-in model: what every node of any deployment shares."""
     d = p.add_argument_group("deployment and models")
     d.add_argument("--profile", default=None, metavar="FILE.json",
                    help="Step-time profile (required): `pdserve sim calibrate` writes a linear one; a roofline one "
                         "describes a GPU (docs/sim.md).")
-    d.add_argument("--deployment", default="collocated",
-                   help="collocated, or XpYd (1p1d, 2p4d, ...) behind pdserve's router policy (default: "
-                        "collocated).")
-    d.add_argument("--nodes", type=int, default=1, help="Collocated: how many nodes (default: 1).")
     d.add_argument("--router-policy", choices=("round-robin", "least-loaded"), default="round-robin",
                    help="The router's pick among nodes, its own code (default: round-robin).")
     d.add_argument("--kv-bandwidth-gb-s", type=float, default=DEFAULT_BANDWIDTH_GB_S,
@@ -64,19 +83,19 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "context, which is what n-gram drafts are found in (default: 0.5).")
     d.add_argument("--max-model-len", type=int, default=None,
                    help="Context length (default: the profile's model.max_model_len, else 4096).")
-    d.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="Speculative decoding as `pdserve serve --speculative-config` (n-gram drafting; the "
-                        "scheduler's own draft bookkeeping, acceptance from --spec-acceptance).")
-    for cls in (CacheConfig, SchedulerConfig, CompilationConfig):
-        add_dataclass_args(p, cls)
-    p.add_argument("--result-dir", default="sim-results", help="Where results go (default: sim-results).")
-    p.add_argument("--quiet", action="store_true", help="No metrics table per run.")
+    d.add_argument("--pd-first-token", choices=("replay", "prefill"), default="replay",
+                   help="XpYd: the router's --pd-first-token (docs/pd.md). replay: vLLM's, P prefills with "
+                        "max_tokens 1, D imports n - 1 tokens and replays the last; prefill: P samples the first "
+                        "token, which reaches the client at P's step end (TTFT holds no transfer), D imports n and "
+                        "decodes it as a plain row (default: replay).")
+    return d
 
 
 ENGINE_SECTIONS = (CacheConfig, SchedulerConfig, CompilationConfig)
 
 
-def _engine_config(args) -> EngineConfig:
+def _engine_kwargs(args, sections=ENGINE_SECTIONS) -> dict:
+    """The engine flags of `sections` as EngineConfig keyword arguments."""
     import dataclasses
     # engine flags with nothing to act on in a simulation: refused, so a run never reads as if they had applied
     if args.gpu_memory_utilization is not None:
@@ -85,30 +104,36 @@ def _engine_config(args) -> EngineConfig:
     if args.cudagraph_metrics:
         raise ValueError("--cudagraph-metrics: a simulated run's graph counts are in its result JSON (graph, and "
                          "per node under sim.nodes)")
-    names = {f.name for cls in ENGINE_SECTIONS for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+    names = {f.name for cls in sections for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
     kw = {k: v for k, v in vars(args).items() if k in names}
+    kw["max_model_len"] = args.max_model_len
+    return kw
+
+
+def _engine_config(args) -> EngineConfig:
+    kw = _engine_kwargs(args)
     if args.speculative_config is not None:
         from pdserve.spec_decode.config import SpeculativeConfig
         try:
             kw["speculative_config"] = SpeculativeConfig.from_json(args.speculative_config)
         except ValueError as e:
             raise ValueError(f"--speculative-config: {e}") from None
-    return EngineConfig.from_kwargs("sim", max_model_len=args.max_model_len, device="cpu", **kw)
+    return EngineConfig.from_kwargs("sim", device="cpu", **kw)
 
 
 RANDOM_DEFAULTS = {"num_prompts": 64, "random_input_len": 256, "random_output_len": 64, "random_range_ratio": 0.0,
                    "random_prefix_len": 0, "request_rate": "1", "burstiness": 1.0}
 
 
-def _workload_flags(args) -> None:
+def _workload_flags(args, random_only: tuple = tuple(RANDOM_DEFAULTS)) -> None:
     """The random generator's flags mean nothing with a trace (it has its own lengths and times): refused by name,
     not ignored; without a trace, their defaults."""
-    given = [k for k in RANDOM_DEFAULTS if getattr(args, k) is not None]
+    given = [k for k in random_only if getattr(args, k) is not None]
     if args.trace is not None and given:
         raise ValueError(f"--{given[0].replace('_', '-')} is for the random generator; --trace {args.trace} has its "
                          "own requests and arrival times")
     for k, v in RANDOM_DEFAULTS.items():
-        if getattr(args, k) is None:
+        if k in random_only and getattr(args, k) is None:
             setattr(args, k, v)
 
 
@@ -150,14 +175,17 @@ def run_sim(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--result-dir {out}: {e.strerror or e}") from None
-    # the arm, as bench pd names it: collocated, or the decode nodes' rule ('default' when the flag was left alone)
+    # the arm, as bench pd names it: collocated, first-token, or the decode nodes' rule ('default' when the flag was
+    # left alone)
     rule = config.compilation.full_graph_rule
-    arm = "collocated" if not dep.num_prefill else ("default" if rule == CompilationConfig().full_graph_rule
-                                                    else rule)
+    if args.pd_first_token == "prefill" and not dep.num_prefill:
+        raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
+    arm = "collocated" if not dep.num_prefill else "first-token" if args.pd_first_token == "prefill" else (
+        "default" if rule == CompilationConfig().full_graph_rule else rule)
     rows = []
     for rate, trace in runs:
         result = simulate(trace, dep, config, profile, transfer=transfer, policy=args.router_policy,
-                          spec_acceptance=args.spec_acceptance, seed=args.seed)
+                          spec_acceptance=args.spec_acceptance, seed=args.seed, pd_first_token=args.pd_first_token)
         result.update(dataset="trace" if args.trace else "random", request_rate=rate, burstiness=args.burstiness,
                       random_input_len=round(sum(r.prompt_len for r in trace) / len(trace)),
                       random_output_len=round(sum(r.output_len for r in trace) / len(trace)),
@@ -232,4 +260,181 @@ def run_calibrate(args) -> int:
           + f"; us per token {1e6 * c['per_token_s']:.2f}, per row {1e6 * c['per_row_s']:.2f}, per context token "
             f"{1e6 * c['per_context_token_s']:.4f}")
     print(f"[calibrate] profile written to {args.out}")
+    return 0
+
+
+# ---- pdserve plan ----------------------------------------------------------------------------------------------
+PLAN_GRID = {"max_num_seqs": "64,256", "max_num_batched_tokens": "2048,8192", "long_prefill_token_threshold": "0",
+             "num_speculative_tokens": "0"}
+# n-gram drafting as the simulator's tests run it: the stand-in model's text repeats in short spans
+PLAN_SPEC_BASE = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+# more than sim's 64: a short trace at a rate past a candidate's knee arrives as a burst that the queue absorbs
+# within the TTFT SLO, and would score the burst's drain rate as goodput (the ranking marks such points)
+PLAN_NUM_PROMPTS = 500
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p, rates="Comma-separated request rates in req/s for a whole deployment, every candidate run "
+                               "at each (a trace's arrival times scaled to each). Default: a sweep per candidate, "
+                               "doubling from --start-rate until its goodput falls past the knee, then the "
+                               "bracket around its best halved (the midpoints on both sides, round after round) "
+                               "while --max-rates lasts.", num_prompts=PLAN_NUM_PROMPTS)
+    add_fleet_args(p)
+    s = p.add_argument_group("search (each list flag: comma-separated values, every combination tried)")
+    s.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="The SLOs, as vLLM bench serve's --goodput (required): e.g. ttft:200 tpot:50 (metrics ttft, "
+                        "tpot, e2el; milliseconds). A request is good when it meets every one; goodput is good "
+                        "requests per second.")
+    s.add_argument("--slo-attainment", type=float, default=0.0, metavar="PCT",
+                   help="A rate counts only when at least PCT%% of its requests meet every SLO: e.g. 90 holds the "
+                        "SLOs at the p90 (DistServe's per-GPU goodput); the sweep stops at the first rate short of it "
+                        "(default: 0, vLLM's goodput: every good request counts, at any rate).")
+    s.add_argument("--nodes", type=int, default=4,
+                   help="Nodes of every candidate deployment: collocated x N and each XpYd with X + Y = N "
+                        "(default: 4).")
+    s.add_argument("--deployments", default=None, metavar="LIST",
+                   help="Only these splits, e.g. collocated,1p3d (default: all of --nodes).")
+    for name, default in PLAN_GRID.items():
+        what = {"max_num_seqs": "the most requests in a step",
+                "max_num_batched_tokens": "the step's token budget",
+                "long_prefill_token_threshold": "the most tokens of one prompt's chunk in a step (0: the budget "
+                                                "only)",
+                "num_speculative_tokens": "speculative decoding's K (0: none; K > 0: n-gram drafting with "
+                                          "--speculative-config's other fields)"}[name]
+        s.add_argument("--" + name.replace("_", "-"), default=default, metavar="LIST",
+                       help=f"The {name} values to try: {what} (default: {default}).")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="The n-gram drafter for K > 0, K itself from --num-speculative-tokens (default: "
+                        f"{json.dumps(PLAN_SPEC_BASE)}).")
+    s.add_argument("--start-rate", type=float, default=None,
+                   help="The sweep's first rate, per node in req/s (default: a quarter of what the candidate serves "
+                        "by a rough estimate from the profile: its prefill nodes' mean prompts back to back, its "
+                        "decode nodes' steps full at max_num_seqs rows).")
+    s.add_argument("--max-rates", type=int, default=8, help="Most rates a candidate's sweep runs (default: 8).")
+    for cls in (CacheConfig, CompilationConfig):
+        add_dataclass_args(p, cls)
+    o = p.add_argument_group("output")
+    o.add_argument("--result-dir", default="plan-results",
+                   help="Where plan.json (every candidate's rates), ranking.txt and plan.png go (default: "
+                        "plan-results).")
+    o.add_argument("--top", type=int, default=10, help="Ranking rows printed (default: 10; ranking.txt has all).")
+    o.add_argument("--plot-top", type=int, default=3,
+                   help="Candidates in plan.png, goodput against rate (default: 3).")
+    o.add_argument("--quiet", action="store_true", help="No progress bar.")
+
+
+def _int_list(flag: str, text: str, lo: int) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < lo:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers >= {lo}")
+    return sorted(set(vals))
+
+
+def run_plan(args) -> int:
+    from pdserve.bench.metrics import parse_goodput
+    from pdserve.sim.connector import TransferModel
+    from pdserve.sim.plan import (candidates, engine_config, format_ranking, plan_search, plot_goodput, splits,
+                                  to_json)
+    from pdserve.sim.profile import load_profile
+    from pdserve.sim.run import parse_deployment
+    from pdserve.sim.trace import load_trace, random_trace
+    slos = parse_goodput(args.goodput)
+    if not slos:
+        raise ValueError("--goodput is required: the SLOs a good request meets, e.g. --goodput ttft:200 tpot:50")
+    if not all(math.isfinite(v) for v in slos.values()):
+        raise ValueError("--goodput: every SLO must be a finite number of milliseconds")
+    if not 0 <= args.slo_attainment <= 100:
+        raise ValueError("--slo-attainment: a percentage in [0, 100]")
+    if args.profile is None:
+        raise ValueError("--profile is required (pdserve sim calibrate --model DIR writes one)")
+    if args.trace is None and args.num_prompts is None:
+        args.num_prompts = PLAN_NUM_PROMPTS
+    _workload_flags(args, tuple(k for k in RANDOM_DEFAULTS if k != "request_rate"))
+    rates = _rates(args.request_rate) if args.request_rate is not None else None
+    if args.nodes < 1:
+        raise ValueError("--nodes must be >= 1")
+    if args.max_rates < 1:
+        raise ValueError("--max-rates must be >= 1")
+    if args.start_rate is not None and not (args.start_rate > 0 and math.isfinite(args.start_rate)):
+        raise ValueError("--start-rate must be a number of req/s > 0")
+    if args.top < 1 or args.plot_top < 0:
+        raise ValueError("--top must be >= 1 and --plot-top >= 0")
+    if not 0 <= args.spec_acceptance <= 1:
+        raise ValueError("--spec-acceptance must be in [0, 1]")
+    if args.deployments is None:
+        deps = splits(args.nodes)
+    else:
+        deps = []
+        for spec in [x.strip() for x in args.deployments.split(",") if x.strip()] or [""]:
+            try:
+                deps.append(parse_deployment(spec, args.nodes if spec == "collocated" else 1))
+            except ValueError as e:
+                raise ValueError(f"--deployments: {str(e).removeprefix('--deployment ')}") from None
+    ks = _int_list("--num-speculative-tokens", args.num_speculative_tokens, 0)
+    cands = candidates(deps, _int_list("--max-num-seqs", args.max_num_seqs, 1),
+                       _int_list("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                       _int_list("--long-prefill-token-threshold", args.long_prefill_token_threshold, 0), ks)
+    spec_base = dict(PLAN_SPEC_BASE)
+    if args.speculative_config is not None:
+        from pdserve.spec_decode.config import SpeculativeConfig
+        try:
+            d = json.loads(args.speculative_config)
+            if not isinstance(d, dict):
+                raise ValueError(f"a JSON object, got {type(d).__name__}")
+            SpeculativeConfig.from_json(json.dumps({**d, "num_speculative_tokens": 1}))  # K is checked per value
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+        spec_base = {k: v for k, v in d.items() if k != "num_speculative_tokens"}
+    profile = load_profile(args.profile)
+    transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0)
+    base = _engine_kwargs(args, (CacheConfig, CompilationConfig))
+    for c in cands:  # every candidate's config checked before the first run, an error naming the candidate
+        try:
+            engine_config(base, c, spec_base)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{c.label}: {e}") from None
+    if args.trace is not None:
+        trace = load_trace(args.trace)
+    else:  # generated at 1 req/s, scaled to each rate: the same lengths and arrival gaps for every candidate
+        trace = random_trace(args.num_prompts, args.random_input_len, args.random_output_len, 1.0,
+                             args.random_range_ratio, args.burstiness, args.seed, args.random_prefix_len)
+    mean_in = sum(r.prompt_len for r in trace) / len(trace)
+    mean_out = sum(r.output_len for r in trace) / len(trace)
+    out = Path(args.result_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--result-dir {out}: {e.strerror or e}") from None
+    from tqdm import tqdm
+    bar = tqdm(total=len(cands), desc="pdserve plan", unit="candidate", disable=args.quiet, file=sys.stderr)
+
+    def progress(c) -> None:
+        bar.set_postfix_str(c.label, refresh=False)
+        bar.update(1)
+    t0 = time.perf_counter()
+    try:
+        ranked = plan_search(cands, trace, profile, base, spec_base, slos, transfer=transfer,
+                             policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
+                             rates=rates, start_rate=args.start_rate, max_rates=args.max_rates, progress=progress,
+                             pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100)
+    finally:
+        bar.close()
+    table = format_ranking(ranked, slos, attainment=args.slo_attainment / 100)
+    print(format_ranking(ranked, slos, args.top, args.slo_attainment / 100))
+    (out / "ranking.txt").write_text(table + "\n")
+    (out / "plan.json").write_text(json.dumps(json_safe({
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "simulated": True, "profile": str(args.profile),
+        "model": profile.raw.get("name", "sim"), "goodput_slos_ms": {k: 1000 * v for k, v in slos.items()},
+        "slo_attainment_pct": args.slo_attainment,
+        "workload": {"trace": args.trace, "requests": len(trace), "mean_input_len": mean_in,
+                     "mean_output_len": mean_out},
+        "rates": rates, "start_rate_per_node": args.start_rate, "max_rates": args.max_rates,
+        "wall_s": time.perf_counter() - t0,
+        "ranking": to_json(ranked)}), indent=1))
+    png = plot_goodput(ranked, out / "plan.png", args.plot_top) if args.plot_top else None
+    print(f"[plan] {len(cands)} candidates in {time.perf_counter() - t0:.1f} s; results in {out}/ (plan.json, "
+          f"ranking.txt{', ' + png.name if png else ''})")
     return 0

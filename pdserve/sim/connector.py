@@ -2,7 +2,8 @@
 transfer-time model (latency + bytes / bandwidth) on the simulator's clock.
 
 P (`kv_producer`) keeps a finished prefill's blocks under a lease (`request_finished` says keep) and hands out
-params naming the transfer; D (`kv_consumer`) offers the n - 1 prompt tokens past its own prefix hit
+params naming the transfer, with P's first token when the router asked for it (`--pd-first-token prefill`: D then
+imports all n prompt tokens); D (`kv_consumer`) offers the n - 1 (or n) prompt tokens past its own prefix hit
 (`get_num_new_matched_tokens`), so `KVTransfers.start_load` allocates and parks the request in `loading`
 exactly as on a real D; its load completes at now + transfer time, reported by `get_finished` on D's first step at
 or after that time, and releases P's lease (D's `done` rides its last read, as TcpConnector's). Leases never
@@ -66,10 +67,11 @@ class SimConnector(KVConnector):
     def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
         if self.role != "kv_consumer" or not (req.kv_transfer_params or {}).get("do_remote_prefill"):
             return 0
-        if num_local_computed >= req.num_prompt_tokens - 1:  # all cached here: nothing to pull, but P must hear
-            self.queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), 0, []))  # `done` (as TcpConnector)
+        m = req.num_importable_tokens  # n - 1 (D replays the last prompt token), or n with P's first token
+        if num_local_computed >= m:  # all cached here: nothing to pull, but P must hear `done` (as TcpConnector)
+            self.queued.append(LoadJob(req.request_id, dict(req.kv_transfer_params), 0, []))
             return 0
-        return req.num_prompt_tokens - 1 - num_local_computed
+        return m - num_local_computed
 
     def lease_time_left(self, req: Request) -> float:
         return math.inf
@@ -84,10 +86,15 @@ class SimConnector(KVConnector):
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         if self.role != "kv_producer" or not (req.kv_transfer_params or {}).get("do_remote_decode"):
             return False, None
+        if req.hands_off_first_token and not req.handed_off:
+            return False, None  # P's first token ended the request: the engine ends the lease at once, D is not asked
         self.open_leases += 1
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                      "remote_request_id": req.request_id, "remote_block_ids": list(block_ids),
-                      "num_prompt_tokens": req.num_prompt_tokens}
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                  "remote_request_id": req.request_id, "remote_block_ids": list(block_ids),
+                  "num_prompt_tokens": req.num_prompt_tokens}
+        if req.hands_off_first_token:  # as the engine seals them: the token and the key of the params that drew it
+            params["first_token"] = {"id": req.output_token_ids[0], "key": req.sampling_params.first_token_key()}
+        return True, params
 
     def request_abandoned(self, req: Request) -> None:
         self.fabric.release(req.kv_transfer_params)

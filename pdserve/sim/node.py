@@ -103,11 +103,26 @@ class SimNode:
             raise ValueError(f"prompt ({n} tokens) plus max_tokens ({output_len}) exceeds max_model_len "
                              f"({self.max_model_len})")
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-        return Request(request_id, prompt_token_ids, params, frozenset(), arrival_time, max_tokens=output_len,
-                       kv_transfer_params=kv_transfer_params)
+        req = Request(request_id, prompt_token_ids, params, frozenset(), arrival_time, max_tokens=output_len,
+                      kv_transfer_params=kv_transfer_params)
+        first = (kv_transfer_params or {}).get("first_token") if (kv_transfer_params or {}).get(
+            "do_remote_prefill") else None
+        if first is not None:  # D: P's first token, taken as the engine's _take_first_token takes it
+            if first.get("key") == params.first_token_key():
+                req.append_output_token(first["id"])
+            else:  # drawn with other params: replayed here (never in a simulation: both sides use the trace's)
+                req.kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != "first_token"}
+        return req
 
     def add(self, req: Request) -> None:
+        """The scheduler takes `req`; a D request with P's first token then answers it at admission, through the
+        same stop checks (LLMEngine._first_output): a token that ends the request finishes it here."""
         self.scheduler.add_request(req)
+        if req.num_output_tokens:
+            req.num_new_tokens = 1
+            status = self.scheduler.check_stop(req, req.output_token_ids[0])
+            if status is not None:
+                self.scheduler.finish_request(req.request_id, status)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()

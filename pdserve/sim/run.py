@@ -70,16 +70,21 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
 
 def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, profile: Profile, *,
              transfer: Optional[TransferModel] = None, policy: str = "round-robin", spec_acceptance: float = 0.0,
-             seed: int = 0, on_step=None) -> dict:
-    """Run `trace` on the deployment; returns bench serve's result dict (see module docstring)."""
+             seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None,
+             pd_first_token: str = "replay") -> dict:
+    """Run `trace` on the deployment; returns bench serve's result dict (see module docstring). `slos` (seconds
+    by metric, bench serve's --goodput) adds `request_goodput`; `pd_first_token`: the router's --pd-first-token
+    (replay or prefill, for an XpYd deployment)."""
+    if pd_first_token == "prefill" and not dep.num_prefill:
+        raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
     if dep.num_prefill and transfer is None:
         raise ValueError("an XpYd deployment needs a transfer model")
     prefill, decode, fabric = build_nodes(dep, config, profile, transfer, spec_acceptance, seed)
-    sim = Simulator(prefill, decode, policy, fabric, on_step)
+    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token)
     t0 = time.perf_counter()
-    results, duration = sim.run(trace, [prompt_token_ids(r, VOCAB_SIZE, seed) for r in trace])
+    results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
     wall = time.perf_counter() - t0
-    metrics = compute_metrics(results, duration)
+    metrics = compute_metrics(results, duration, slos)
     steps = Counter()
     for n in decode:  # as bench serve scrapes: the decode nodes behind a router, else the server itself
         steps.update(n.graph_stats.steps)
@@ -93,7 +98,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "sim", "base_url": f"sim://{dep.name}", "endpoint": "",
         "model_id": profile.raw.get("name", "sim"), "model": profile.raw.get("name", "sim"), "tokenizer_id": None,
         "num_prompts": len(trace), "max_concurrency": None, "seed": seed, "ignore_eos": True, "temperature": 0.0,
-        "warmup": 0, "goodput_slos_ms": {}, **metrics.to_dict(), **metrics.vllm_keys(), "graph": graph,
+        "warmup": 0, "goodput_slos_ms": {k: v * 1000 for k, v in (slos or {}).items()}, **metrics.to_dict(),
+        **metrics.vllm_keys(), "graph": graph,
         "router_ttft_split_ms": sim.ttft_split_ms(),
         "send_lag_ms": summarize([0.0] * len(results)),  # a simulated client sends on time
         "input_lens": [r.prompt_len for r in results],
@@ -102,7 +108,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "latencies": [r.latency for r in results], "start_times": [r.start for r in results],
         "generated_texts": [""] * len(results), "errors": [r.error for r in results],
         "request_ids": [r.request_id for r in trace],
-        "sim": {"deployment": dep.name, "router_policy": policy, "profile": profile.raw, "wall_s": wall,
+        "sim": {"deployment": dep.name, "router_policy": policy, "pd_first_token": pd_first_token,
+                "profile": profile.raw, "wall_s": wall,
                 "kv_bytes_transferred": fabric.bytes_moved if fabric else 0,
                 "nodes": [_node_stats(n, role) for role, ns in (("prefill", prefill), ("decode", decode)) for n in ns]},
     }

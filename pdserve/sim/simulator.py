@@ -7,7 +7,10 @@ Deployments:
   `kv_transfer_params={"do_remote_decode": true}`; when P's step that finishes it ends, a D picked for it gets the
   original request with P's params, loads the KV through the scheduler's P/D half (core/kv_transfers.py) over the
   transfer-time model, and replays the last prompt token. A one-token prompt skips P, as the router's token-id
-  prompts do.
+  prompts do. With the router's `--pd-first-token prefill` P gets the client's own params with the first token
+  asked (`first_token`), samples it and stops; the token reaches the client at P's step end, and D, given P's
+  params with the token, imports all n prompt tokens and decodes it as a plain row (no replay); a token that ends
+  the request (output length 1) is P's whole answer and D is not asked.
 
 A node steps whenever it has work and is not busy: a step scheduled at t runs the scheduler at t and ends at
 t + the profile's step time; its tokens reach the client at the step's end (the network is not modelled), and
@@ -19,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from pdserve.bench.metrics import RequestResult
 from pdserve.router.nodes import Node as RouterNode
@@ -33,7 +36,7 @@ from pdserve.sim.trace import TraceRequest
 class ClientView:
     """One trace request as the benchmark client sees it."""
     trace: TraceRequest
-    prompt: list[int]
+    prompt: Optional[list[int]]  # made at arrival, dropped at the end: 100k prompts at once would take GBs
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each streamed chunk
     finished: Optional[float] = None
     error: str = ""
@@ -44,12 +47,18 @@ class ClientView:
     d_arrival: Optional[float] = None
     d_scheduled: Optional[float] = None
 
-    def ttft_stages(self, load: Optional[list[float]]) -> dict[str, float]:
-        """Seconds per stage, for the stages this request passed, as the router splits TTFT."""
-        if not self.chunks or self.d_scheduled is None:
+    def ttft_stages(self, load: Optional[list[float]], first_from_p: bool = False) -> dict[str, float]:
+        """Seconds per stage, for the stages this request passed, as the router splits TTFT (router/timing.py);
+        with the first token from P, TTFT ends at P's answer: no transfer, no D in it."""
+        if not self.chunks:
             return {}
         first = self.chunks[0][0]
         out = {"total": first - self.trace.arrival_time}
+        if first_from_p and self.p_done is not None:
+            return {**out, "router_to_prefill": self.p_scheduled - self.trace.arrival_time,
+                    "prefill": self.p_done - self.p_scheduled, "first_token_from_prefill": first - self.p_done}
+        if self.d_scheduled is None:
+            return {}
         if self.p_done is not None:
             out.update(router_to_prefill=self.p_scheduled - self.trace.arrival_time,
                        prefill=self.p_done - self.p_scheduled)
@@ -71,9 +80,14 @@ class ClientView:
 
 class Simulator:
     def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
-                 fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None):
-        """`prefill` empty: a collocated deployment of the `decode` nodes."""
+                 fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None,
+                 pd_first_token: str = "replay"):
+        """`prefill` empty: a collocated deployment of the `decode` nodes. `pd_first_token`: the router's
+        --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first)."""
+        if pd_first_token not in ("replay", "prefill"):
+            raise ValueError(f"--pd-first-token must be 'replay' or 'prefill', got {pd_first_token!r}")
         self.prefill_nodes, self.decode_nodes, self.fabric, self.on_step = prefill, decode, fabric, on_step
+        self.first_from_p = pd_first_token == "prefill" and bool(prefill)
         self.pd = bool(prefill)
         self.p_pool = Pool([RouterNode(n.name) for n in prefill], policy)
         self.d_pool = Pool([RouterNode(n.name) for n in decode], policy)
@@ -96,9 +110,16 @@ class Simulator:
         self.wake_at[node.name] = t
         self._push(t, "wake", node.name)
 
-    def run(self, trace: list[TraceRequest], prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
-        """(per-request results in trace order, duration: from 0 to the last request's end)."""
-        views = self.views = [ClientView(r, p) for r, p in zip(trace, prompts)]
+    def run(self, trace: list[TraceRequest], prompts: Union[list[list[int]], Callable[[TraceRequest], list[int]]]
+            ) -> tuple[list[RequestResult], float]:
+        """(per-request results in trace order, duration: from 0 to the last request's end). `prompts`: the token
+        ids of each request, or a function making them (called at its arrival, so only requests in flight hold
+        theirs)."""
+        if callable(prompts):
+            self.prompt_for, views = prompts, [ClientView(r, None) for r in trace]
+        else:
+            views = [ClientView(r, p) for r, p in zip(trace, prompts)]
+        self.views = views
         for v in views:
             self._push(v.trace.arrival_time, "arrive", v)
         while self.events:
@@ -125,7 +146,7 @@ class Simulator:
             loads.update(n.connector.load_times)
         sums: dict[str, list[float]] = {}
         for v in self.views:
-            for stage, sec in v.ttft_stages(loads.get(v.trace.request_id)).items():
+            for stage, sec in v.ttft_stages(loads.get(v.trace.request_id), self.first_from_p).items():
                 sums.setdefault(stage, []).append(sec)
         return {k: 1000.0 * sum(x) / len(x) for k, x in sums.items()}
 
@@ -135,17 +156,26 @@ class Simulator:
         try:
             req = node.make_request(view.trace.request_id, view.prompt, output_len, t, params)
         except ValueError as e:  # the node's 400: the client's request fails, as in bench serve
-            view.error = str(e)
+            view.error, view.prompt = str(e), None
             return
         rn.in_flight += 1
         self.owner[(node.name, req.request_id)] = view
         if pool is self.d_pool:
             view.d_arrival = t
         node.add(req)
+        if req.is_finished:  # P's first token ended it at D's admission: nothing to run (the client has it)
+            del self.owner[(node.name, req.request_id)]
+            rn.in_flight -= 1
+            view.finished, view.prompt = t, None
         self._wake(node, t)
 
     def _arrive(self, view: ClientView, t: float) -> None:
-        if self.pd and view.trace.prompt_len > 1:
+        if view.prompt is None:
+            view.prompt = self.prompt_for(view.trace)
+        if self.pd and view.trace.prompt_len > 1 and self.first_from_p:
+            # the client's own params, the first token asked for: P samples it and stops after it
+            self._submit(self.p_pool, view, t, view.trace.output_len, {"do_remote_decode": True, "first_token": True})
+        elif self.pd and view.trace.prompt_len > 1:
             self._submit(self.p_pool, view, t, 1, {"do_remote_decode": True})
         else:
             self._submit(self.d_pool, view, t, view.trace.output_len, None)
@@ -181,15 +211,18 @@ class Simulator:
             view = self.owner.get((node.name, req.request_id))
             if view is None:
                 continue
-            if not is_p:
-                view.chunks.append((rec.end, n))
+            if not is_p or self.first_from_p:  # P's first token goes to the client at once (the router hop is not
+                view.chunks.append((rec.end, n))  # modelled)
             if req.is_finished:
                 del self.owner[(node.name, req.request_id)]
                 self.router_node[node.name].in_flight -= 1
                 if is_p:
                     view.p_done = rec.end
-                    self._push(rec.end, "prefilled", (view, req.kv_transfer_params_out))
+                    if self.first_from_p and req.kv_transfer_params_out is None:
+                        view.finished, view.prompt = rec.end, None  # P's token ended it: P's answer is all of it
+                    else:
+                        self._push(rec.end, "prefilled", (view, req.kv_transfer_params_out))
                 else:
-                    view.finished = rec.end
+                    view.finished, view.prompt = rec.end, None
         if node.has_work():
             self._wake(node, rec.end)

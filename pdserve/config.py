@@ -61,6 +61,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = _f(0, "Most tokens of one request's prefill chunk in one step (0: only the "
                                               "token budget caps it); smaller chunks keep the steps that decoding "
                                               "requests wait on short, at the cost of the prompts' TTFT.")
+    async_scheduling: bool = _f(True, "Overlap the host work of a step (scheduling the next "
+                                "step, filling its inputs, detokenizing the last step's tokens, building outputs) "
+                                "with the model's forward on a worker thread; the tokens are the same as without. Off "
+                                "with --speculative-config (the next drafts need the landed tokens), which then runs "
+                                "synchronously.")
 
 
 CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]

@@ -25,12 +25,14 @@ What must stay true:
   writes KV only at positions >= its request's computed count when it was scheduled, in blocks not hashed or
   published (`cache_blocks` runs in (c), after the write), so no prefix-cache hit reads them; a freed block that a
   later step reuses is written by that step before it is read, and steps run in order on one thread (one stream),
-  so the stale write lands first.
+  so the stale write lands first. A KV load is the one writer outside the steps: loads given blocks start only
+  once the step in flight ran.
 - Speculative decoding runs synchronously: the next step's drafts are looked up in tokens not landed yet.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Optional
@@ -92,6 +94,10 @@ class EngineStep:
             for job in meta.loads:
                 if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
                     eng.output_processor.states[job.request_id].metrics.kv_load_start_time = now
+            if any(job.dst_blocks for job in meta.loads):
+                # a load may be handed blocks freed while the step in flight still writes them (an abort, a stop
+                # string): it starts once that step ran (which step() waits for next anyway)
+                self.wait()
             eng.connector.start_load_kv(meta)
         return out
 
@@ -149,9 +155,10 @@ class StepPipeline(EngineStep):
 
     def __init__(self, engine: "LLMEngine"):
         super().__init__(engine)
-        # CUDA: the current device is per thread. CPU: the thread's OpenMP team is its own, warmed as the first
-        # (layers._warm_vml: a first threaded vector-math call can be off)
-        init = (lambda: torch.cuda.set_device(engine.device)) if engine.device.type == "cuda" else _warm_vml
+        # CUDA: the current device is per thread (given the device, not the engine: the thread keeps its
+        # initializer, and an engine dropped without shutdown must still be collected). CPU: the thread's OpenMP
+        # team is its own, warmed as the first one (layers._warm_vml: a first threaded vector-math call can be off).
+        init = functools.partial(torch.cuda.set_device, engine.device) if engine.device.type == "cuda" else _warm_vml
         # One thread for the engine's life, started at the first submit; a step that raises there is its future's
         # exception (StepPipeline.step fails its rows), so the thread never dies with it.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "pdserve-forward", initializer=init)
@@ -160,9 +167,10 @@ class StepPipeline(EngineStep):
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         outputs = self._poll_transfers()
-        flight, self.in_flight = self.in_flight, None
+        flight = self.in_flight
         self.num_overlapped += flight is not None
-        out = self._schedule()
+        out = self._schedule()  # (with the step in flight known to wait())
+        self.in_flight = None
         updated, lps = [], {}
         if flight is not None:
             landed, future = flight

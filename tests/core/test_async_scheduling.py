@@ -221,7 +221,7 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(qwen3_tiny, 
 
 def test_pd_async_equals_collocated_sync(qwen3_tiny):
     from tests.server_harness import free_port
-    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, decode_on, prefill_on
+    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, drain, prefill_on
     kv = {"kv_connector": "TcpConnector", "kv_auth_token": "secret"}
     p = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": free_port(),
                                             "engine_id": "P0"}, async_scheduling=True, **ENGINE)
@@ -232,10 +232,25 @@ def test_pd_async_equals_collocated_sync(qwen3_tiny):
             PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         params = prefill_on(p, PROMPTS)
         assert all(kp is not None for i, kp in enumerate(params) if i != 4)  # "x": one token, nothing to hand on
-        out = decode_on(d, PROMPTS, params)
-        assert [out[i].outputs[0].token_ids for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in col]
+        steps, start, behind = d.engine.steps, d.engine.connector.start_load_kv, []
+
+        def start_load_kv(meta):  # a load may get blocks the step in flight still writes: it starts after it ran
+            if any(job.dst_blocks for job in meta.loads) and steps.in_flight is not None:
+                assert steps.in_flight[1].done()
+                behind.append(meta)
+            return start(meta)
+        d.engine.connector.start_load_kv = start_load_kv
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        done = {}
+        for i, (prompt, kp) in enumerate(zip(PROMPTS, params)):  # one arrival a step: loads start mid-run
+            d.engine.add_request(prompt, sp, request_id=f"d{i}", kv_transfer_params=kp)
+            done.update((o.request_id, o) for o in d.engine.step() if o.finished)
+        done.update(drain(d))
+        assert [done[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == \
+            [o.outputs[0].token_ids for o in col]
+        assert sum(o.num_external_tokens for o in done.values()) > 0
+        assert behind, "no load started while a step was in flight"
         assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
-        assert sum(o.num_external_tokens for o in out.values()) > 0
         assert p.engine.steps.num_overlapped > 0 and d.engine.steps.num_overlapped > 0
         while p.engine.has_unfinished_requests():  # P releases the leases D confirmed
             p.engine.step()

@@ -115,7 +115,7 @@ class EngineStep:
 
     def _failed(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         """A failed step fails its requests (those not finished meanwhile), never the engine."""
-        logger.exception("model step failed")  # called in the handler of `e`
+        logger.error("model step failed", exc_info=e)
         return [self.engine._fail(row.request.request_id, f"model step failed: {e}") for row in out.rows
                 if not row.request.is_finished]
 
@@ -181,22 +181,23 @@ class StepPipeline(EngineStep):
             else:
                 updated, lps = self._land(landed, result, in_flight=True)
         out.rows = [row for row in out.rows if not row.request.is_finished]  # their blocks are freed already
-        if out.rows:
-            outputs += self._launch(out)
-        elif flight is None:
+        if not out.rows and flight is None:
             return self._idle(outputs)
-        return outputs + eng.output_processor.process(updated, lps)
+        error = self._launch(out) if out.rows else None
+        outputs += eng.output_processor.process(updated, lps)
+        # a step that could not start fails its requests after their landed tokens went out
+        return outputs + (self._failed(out, error) if error is not None else [])
 
-    def _launch(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _launch(self, out: SchedulerOutput) -> Optional[Exception]:
         eng = self.engine
         self._started(out)
         try:
             prepared = eng.runner.prepare(out.rows, eng.kv.block_table)
         except Exception as e:
-            return self._failed(out, e)
+            return e
         eng.scheduler.mark_in_flight(out)
         self.in_flight = (out, self._worker.submit(eng.runner.run, prepared))
-        return []
+        return None
 
     def shutdown(self) -> None:
         self.wait()

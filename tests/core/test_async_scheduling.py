@@ -217,6 +217,15 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(qwen3_tiny, 
     e.runner.run = run_step  # the same worker thread serves the next request
     e.add_request(prompts[1], GREEDY, request_id="again")
     assert summary(drain(e)["again"]) == summary(ref["r1"])
+    prepare = e.runner.prepare  # filling the inputs (engine thread) fails too: its rows' requests only
+    e.runner.prepare = lambda rows, table: (_ for _ in ()).throw(RuntimeError("bad rows")) if len(rows) == 2 \
+        else prepare(rows, table)
+    e.add_request(prompts[0], GREEDY, request_id="one")
+    e.step()
+    e.add_request(prompts[1], GREEDY, request_id="two")
+    final = drain(e)
+    assert final["two"].outputs[0].finish_reason == "error" and "bad rows" in final["two"].error
+    assert final["one"].outputs[0].finish_reason == "error"  # the step with both failed both
 
 
 def test_pd_async_equals_collocated_sync(qwen3_tiny):

@@ -130,8 +130,8 @@ class EngineStep:
         return updated, lp_by_req
 
     def wait(self) -> None:
-        """Until the step in flight has run (it still lands at the next step()): before the engine thread runs the
-        model itself (the arrival driver's prefill) or shuts down."""
+        """Until the step in flight has run (it still lands at the next step()): before a KV load starts, before the
+        engine thread runs the model itself (the arrival driver's prefill), at shutdown."""
         if self.in_flight is not None:
             concurrent.futures.wait([self.in_flight[1]])
 

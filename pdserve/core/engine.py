@@ -261,9 +261,8 @@ class LLMEngine:
             self._fail(req.request_id, "no free KV blocks")  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
-        self.steps.wait()  # the model and its input buffers are the step in flight's until it ran
-        try:
-            self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
+        try:  # where the steps run, after the step in flight (its model and input buffers)
+            self.steps.call(self.runner.prefill_kv, req, num_hit, n - 1, self.kv.block_table)
         except Exception as e:  # nothing of it may stay behind: not its blocks, not its per-request state
             self._fail(req.request_id, f"prefill for the import failed: {e}")
             raise

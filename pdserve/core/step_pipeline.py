@@ -27,6 +27,8 @@ What must stay true:
   later step reuses is written by that step before it is read, and steps run in order on one thread (one stream),
   so the stale write lands first. A KV load is the one writer outside the steps: loads given blocks start only
   once the step in flight ran.
+- The model runs on the worker thread only (the arrival driver's prefill too: `call`); on CPU the engine thread
+  frees its OpenMP pool at the hand-over and runs no parallel region after it (worker/openmp.py).
 - Speculative decoding runs synchronously: the next step's drafts are looked up in tokens not landed yet.
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pdserve.model.layers import _warm_vml
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.worker.openmp import release_thread_pool
 
 if TYPE_CHECKING:
     from pdserve.core.engine import LLMEngine
@@ -130,10 +133,14 @@ class EngineStep:
         return updated, lp_by_req
 
     def wait(self) -> None:
-        """Until the step in flight has run (it still lands at the next step()): before a KV load starts, before the
-        engine thread runs the model itself (the arrival driver's prefill), at shutdown."""
+        """Until the step in flight has run (it still lands at the next step()): before a KV load starts, at
+        shutdown."""
         if self.in_flight is not None:
             concurrent.futures.wait([self.in_flight[1]])
+
+    def call(self, fn, *args):
+        """`fn(*args)` on the thread that runs the model, after the step in flight (the arrival driver's prefill)."""
+        return fn(*args)
 
     def check_invariants(self) -> None:
         """The step in flight is accounted for, not waited on (the worker touches no pool or scheduler state): its
@@ -163,6 +170,8 @@ class StepPipeline(EngineStep):
         # exception (StepPipeline.step fails its rows), so the thread never dies with it.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "pdserve-forward", initializer=init)
         self.num_overlapped = 0  # schedules made while a step was in flight (tests see that the mode is on)
+        if engine.device.type == "cpu":
+            release_thread_pool()  # the model's parallel regions run on the worker's pool alone (openmp.py)
 
     def step(self) -> list[RequestOutput]:
         eng = self.engine
@@ -198,6 +207,9 @@ class StepPipeline(EngineStep):
         eng.scheduler.mark_in_flight(out)
         self.in_flight = (out, self._worker.submit(eng.runner.run, prepared))
         return None
+
+    def call(self, fn, *args):
+        return self._worker.submit(fn, *args).result()  # after the step in flight: one thread, in order
 
     def shutdown(self) -> None:
         self.wait()

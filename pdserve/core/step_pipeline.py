@@ -11,7 +11,8 @@ b. schedule step k + 2 while k + 1 runs: k + 1 was counted as landed at its laun
 c. wait for k + 1 and land it (`update_from_output(in_flight=True)`): real tokens replace the placeholders, stop
    checks, finishes, published blocks; a request finished meanwhile (aborted, a stop string) is skipped;
 d. drop k + 2's rows whose request (c) finished, fill k + 2's inputs here, on the engine thread (they read the
-   now-real tokens and the block tables), and start its forward and sampling on the worker thread;
+   now-real tokens and the block tables), and start its forward and sampling on the worker thread, waiting until
+   its forward and LM head are enqueued (the GIL: see `_launch`);
 e. while that runs, make k + 1's outputs (detokenizer, stop strings, RequestOutputs) and return them, so the engine
    loop's own work after `step()` overlaps the forward too.
 Outputs come one step() later than without overlap, never more; a step() with nothing to schedule still lands
@@ -36,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -205,7 +207,15 @@ class StepPipeline(EngineStep):
         except Exception as e:
             return e
         eng.scheduler.mark_in_flight(out)
-        self.in_flight = (out, self._worker.submit(eng.runner.run, prepared))
+        # The engine thread waits until the forward and the LM head are enqueued (on CPU: have run; or the step
+        # ended): its Python work would otherwise hold the GIL their launches need, for up to a switch interval
+        # (5 ms) each, and the device would wait for the host work it should hide. Sampling overlaps (e).
+        launched = threading.Event()
+        prepared.launched = launched.set
+        future = self._worker.submit(eng.runner.run, prepared)
+        future.add_done_callback(lambda _: launched.set())
+        launched.wait()
+        self.in_flight = (out, future)
         return None
 
     def call(self, fn, *args):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -28,6 +29,8 @@ class PreparedStep:
     batch: PreparedBatch
     mode: CUDAGraphMode
     desc: object  # the dispatcher's padded descriptor
+    # called by `run` once the forward and the LM head are enqueued (on CPU: done), before sampling
+    launched: Optional[Callable[[], None]] = None
 
 
 def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
@@ -213,15 +216,18 @@ class ModelRunner:
         hidden = hidden_all[batch.logits_indices]
         prompt_lps = self.prompt_logprobs.add(self.model, hidden_all, rows, batch.starts, batch.order,
                                               self.max_scored) if self.prompt_logprobs.wanted(rows) else {}
-        out = self.sample(rows, batch, hidden)
+        out = self.sample(rows, batch, hidden, step.launched)
         out.prompt_logprobs = prompt_lps
         return out
 
-    def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor,
+               launched: Optional[Callable[[], None]] = None) -> ModelRunnerOutput:
         sampled: list = [None] * len(rows)
         logprobs: list = [None] * len(rows)
         if batch.logits_rows:
             logits = self.model.compute_logits(hidden)
+            if launched is not None:
+                launched()
             reqs = [rows[batch.order[r]].request for r in batch.logits_rows]
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)

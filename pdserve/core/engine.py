@@ -92,11 +92,12 @@ class LLMEngine:
         self._counter = 0
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request, self._seal_params)
         self._admitted: list[RequestOutput] = []  # D: outputs of P's first tokens, out with the next step's
-        overlap = config.scheduler.async_scheduling and config.speculative_config is None
-        if config.scheduler.async_scheduling and not overlap:
+        wanted = config.scheduler.use_async_scheduling(self.device.type)
+        self.async_scheduling = wanted and config.speculative_config is None
+        if wanted and not self.async_scheduling:
             logger.info("async scheduling is off with speculative decoding (the next step's drafts are looked up in "
                         "the tokens this step makes): steps run one after another")
-        self.steps = StepPipeline(self) if overlap else EngineStep(self)
+        self.steps = StepPipeline(self) if self.async_scheduling else EngineStep(self)
 
     def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
         """KV blocks, the null block included: the override, else what `profile` leaves under
@@ -272,6 +273,11 @@ class LLMEngine:
         self.kv.cache_blocks(req)
         self.scheduler.mark_imported(req)
         return req
+
+    def set_num_threads(self, n: int) -> None:
+        """CPU intra-op threads of the thread that runs the model: torch's OpenMP count is per thread, so with async
+        scheduling it is set on the worker thread (after the step in flight), where a count set here would not go."""
+        self.steps.call(torch.set_num_threads, n)
 
     def shutdown(self) -> None:
         self.steps.shutdown()

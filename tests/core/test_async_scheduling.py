@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -283,3 +284,110 @@ def test_speculative_decoding_runs_synchronously(qwen3_tiny, caplog):
     got = drain(e)
     assert {k: summary(o) for k, o in got.items()} == {k: summary(o) for k, o in ref.items()}
     assert e.spec_decode_stats()["num_drafts"] > 0
+
+
+def test_default_is_on_for_cuda_and_off_on_cpu(qwen3_tiny):
+    """Unset means auto: on a CPU the overlap measured slower (benchmarks/results/step_overhead_async.json), so a
+    CPU engine runs its steps synchronously unless asked; an explicit choice wins on either device."""
+    from pdserve.config import SchedulerConfig
+    auto = SchedulerConfig()
+    assert auto.async_scheduling is None
+    assert auto.use_async_scheduling("cuda") and not auto.use_async_scheduling("cpu")
+    for on in (True, False):
+        assert SchedulerConfig(async_scheduling=on).use_async_scheduling("cpu") is on
+        assert SchedulerConfig(async_scheduling=on).use_async_scheduling("cuda") is on
+    e = LLM(qwen3_tiny, block_size=4, max_model_len=64).engine
+    assert type(e.steps) is EngineStep and e.async_scheduling is False
+    e = LLM(qwen3_tiny, block_size=4, max_model_len=64, async_scheduling=True).engine
+    try:
+        assert type(e.steps) is StepPipeline and e.async_scheduling is True
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--async-scheduling"], True),
+                                        (["--no-async-scheduling"], False)])
+def test_flag_is_three_way(argv, want):
+    """vLLM's flag name; not given is auto (None), never a fixed default baked into the parser."""
+    import argparse
+
+    from pdserve.config import SchedulerConfig, add_dataclass_args, engine_kwargs_from_args
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, SchedulerConfig)
+    assert engine_kwargs_from_args(p.parse_args(argv))["async_scheduling"] is want
+
+
+def test_help_states_the_default_and_why(capsys):
+    from pdserve.cli import main
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    flag = "--async-scheduling, --no-async-scheduling "
+    text = out[out.index(flag) + len(flag):]
+    text = text[:text.index(" --cudagraph-mode")]
+    assert "Default: auto, on with CUDA, off on CPU" in text and "slower" in text, text
+
+
+def test_thread_count_is_set_where_the_model_runs(qwen3_tiny):
+    """The CPU thread governor's switches (worker/cpu_threads.py) must reach the worker thread: torch's OpenMP
+    count is per thread, and one set on the engine thread leaves a started worker's as it was."""
+    import torch
+
+    e = make(qwen3_tiny, True)
+    try:
+        e.add_request(ids(5), GREEDY, request_id="a")
+        drain(e)  # the worker thread is started
+        before = e.steps.call(torch.get_num_threads)
+        mine = torch.get_num_threads()
+        want = 1 if before > 1 else 2
+        e.set_num_threads(want)
+        assert e.steps.call(torch.get_num_threads) == want
+        assert torch.get_num_threads() == mine  # the engine thread runs no parallel region: left alone
+        e.set_num_threads(before)
+    finally:
+        e.shutdown()
+
+
+def test_the_governors_switches_reach_the_worker_thread(qwen3_tiny, monkeypatch):
+    """Offline (LLM) and in the server's engine loop (EngineCore), the governor sets the count through the engine,
+    so an async engine's switch lands on its worker thread; the loop's EngineInfo says the mode."""
+    import queue
+
+    import torch
+
+    from pdserve.config import EngineConfig
+    from pdserve.serve.engine_commands import Stop
+    from pdserve.serve.engine_core import EngineCore, QueueInbox
+    from pdserve.serve.engine_messages import EngineInfo
+    if torch.get_num_threads() <= 1:
+        pytest.skip("one intra-op thread: no governor")
+    monkeypatch.setenv("PDSERVE_ADAPTIVE_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    mine = torch.get_num_threads()
+    llm = LLM(qwen3_tiny, block_size=4, max_model_len=64, async_scheduling=True)
+    try:
+        assert llm.engine.steps.call(torch.get_num_threads) == mine  # the worker thread is started
+        llm.cpu_threads._set(1)
+        assert llm.engine.steps.call(torch.get_num_threads) == 1 and torch.get_num_threads() == mine
+        llm.cpu_threads._set(mine)  # torch keeps the last count set for threads started later (the loop's)
+    finally:
+        llm.engine.shutdown()
+    inbox, out = QueueInbox(), queue.Queue()
+    core = EngineCore(EngineConfig.from_kwargs(qwen3_tiny, block_size=4, max_model_len=64, async_scheduling=True),
+                      inbox, out.put)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    try:
+        info = out.get(timeout=60)
+        assert isinstance(info, EngineInfo) and info.async_scheduling is True
+        deadline = time.monotonic() + 20
+        while getattr(core, "cpu_threads", None) is None and time.monotonic() < deadline:  # made after EngineInfo
+            time.sleep(0.01)
+        assert core.engine.steps.call(torch.get_num_threads) == mine  # the worker thread is started
+        core.cpu_threads._set(1)  # from this thread: the worker's count, set after the step in flight
+        assert core.engine.steps.call(torch.get_num_threads) == 1
+        core.cpu_threads._set(mine)
+    finally:
+        inbox.put(Stop())
+        thread.join(20)
+    assert not thread.is_alive()

@@ -391,3 +391,30 @@ def test_the_governors_switches_reach_the_worker_thread(qwen3_tiny, monkeypatch)
         inbox.put(Stop())
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_p_handing_its_first_token_to_d_gets_no_extra_row(qwen3_tiny):
+    """P asked for the first token (issue 35) runs with the client's max_tokens but stops after one token: with
+    that token in flight the schedule must not give it a decode row (a row, and at a block boundary a block, for a
+    token never kept); the params it hands on carry the token."""
+    from tests.server_harness import free_port
+    kv = {"kv_connector": "TcpConnector", "kv_auth_token": "secret", "kv_role": "kv_producer",
+          "kv_port": free_port(), "engine_id": "P0"}
+    e = make(qwen3_tiny, True, kv_transfer_config=kv)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for n in (3, 4, 8, 9):  # block_size 4: the next position on a block boundary or not
+            e.add_request(ids(n, n), sp, request_id=f"p{n}", kv_transfer_params={"do_remote_decode": True,
+                                                                                  "first_token": True})
+        final = {}
+        while e.scheduler.has_unfinished():  # P's leases keep the engine polling: not drain
+            final.update((o.request_id, o) for o in e.step() if o.finished)
+            e.check_invariants()
+        assert e.steps.num_overlapped > 0
+        for n in (3, 4, 8, 9):
+            o = final[f"p{n}"]
+            assert len(o.outputs[0].token_ids) == 1 and o.kv_transfer_params["first_token"]["id"] == \
+                o.outputs[0].token_ids[0]
+            assert e.scheduled[f"p{n}"] == n, (n, e.scheduled[f"p{n}"])
+    finally:
+        e.shutdown()

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/step_overhead.py                  # writes benchmarks/results/step_overhead.json
     .venv/bin/python benchmarks/step_overhead.py --rows 32 --steps 100
     PYTHONPATH=/tmp/base .venv/bin/python benchmarks/step_overhead.py --out /tmp/before.json   # another checkout
+    .venv/bin/python benchmarks/step_overhead.py --async    # writes benchmarks/results/step_overhead_async.json
 
 For each batch size (1, 32, 256 rows by default) and workload, R requests with distinct 64-token prompts are
 prefilled, then `--steps` decode steps are timed phase by phase (wrappers around the engine's own functions):
@@ -17,6 +18,12 @@ prefilled, then `--steps` decode steps are timed phase by phase (wrappers around
 temperature 0) and `mix` (half greedy, half temperature 0.8 + top-p 0.9 + repetition
 penalty 1.1; the random half seeded; 4 rows with logprobs=5). "host" = everything but forward and logits. Medians
 over the timed steps. Run it on a quiet machine: two cores, and anything else running distorts every figure.
+
+The phases are of the synchronous step (async scheduling off). `--async` times, for each case, one engine with async
+scheduling off (phase by phase, as above) and one with it on (whole steps: step() and the records, as the engine
+loop does), alternating every 10 steps so that both see the same machine, both running their model on one thread
+(the async engine's worker: one OpenMP pool, pdserve/worker/openmp.py); "hidden" = (step_off - step_on) / host_off,
+the share of the synchronous step's host time the overlap hides (negative: it costs more than it hides).
 """
 from __future__ import annotations
 
@@ -65,19 +72,31 @@ class PhaseTimer:
         setattr(obj, name, timed)
 
 
-def measure(model: str, rows: int, workload: str, steps: int, prompt_len: int = 64) -> dict:
+def engine(model: str, rows: int, workload: str, prompt_len: int, async_scheduling: bool = False):
+    """An engine with `rows` requests decoding (prefilled, three steps in)."""
     from pdserve import LLM
-    from pdserve.serve.engine_messages import record
+    from pdserve.config import SchedulerConfig
     ctx = prompt_len + 400 + 16
+    kw = {"async_scheduling": async_scheduling} if "async_scheduling" in SchedulerConfig.__dataclass_fields__ else {}
     llm = LLM(model, max_model_len=ctx, max_num_seqs=max(rows, 1), max_num_batched_tokens=max(2048, rows),
-              num_gpu_blocks_override=rows * (ctx // 16 + 1) + ctx // 16 + 2)
-    eng, runner = llm.engine, llm.engine.runner
+              num_gpu_blocks_override=rows * (ctx // 16 + 1) + ctx // 16 + 2, **kw)
+    eng = llm.engine
     for i in range(rows):
         eng.add_request([3 + (i * 131 + j * 7) % 8000 for j in range(prompt_len)], params_for(workload, i, rows))
     while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # prefill (and the first tokens)
     for _ in range(3):
         eng.step()
+    return eng
+
+
+def measure(model: str, rows: int, workload: str, steps: int, prompt_len: int = 64, chunk: int = 0,
+            other=None, on_thread=None) -> dict:
+    """Phase medians of `steps` synchronous steps. --async: `other(n)` runs between chunks of `chunk` steps, and
+    `on_thread(fn, n)` runs each chunk where the other engine runs its model."""
+    from pdserve.serve.engine_messages import record
+    eng = engine(model, rows, workload, prompt_len)
+    runner = eng.runner
     timer = PhaseTimer()
     timer.wrap(eng.scheduler, "schedule", "schedule")
     timer.wrap(runner.buffers, "prepare", "prepare")
@@ -86,26 +105,62 @@ def measure(model: str, rows: int, workload: str, steps: int, prompt_len: int = 
     runner.sampler = lambda *a, **kw: _timed(timer, "sample", sampler, *a, **kw)
     runner.model.forward = lambda *a, **kw: _timed(timer, "forward", model_call, *a, **kw)
     per_step = defaultdict(list)
-    for _ in range(steps):
-        timer.cur.clear()
-        t = time.perf_counter()
-        outs = eng.step()
-        total = time.perf_counter() - t
-        t = time.perf_counter()
-        records = [record(o) for o in outs]
-        timer.cur["server"] = time.perf_counter() - t
-        assert len(records) == rows, f"{len(records)} outputs for {rows} rows"
-        timer.cur["outputs"] = total - sum(timer.cur[p] for p in PHASES if p not in ("outputs", "server"))
-        for p in PHASES:
-            per_step[p].append(timer.cur[p] * 1e3)
-        per_step["host"].append(sum(timer.cur[p] for p in PHASES if p not in ("forward", "logits")) * 1e3)
-        per_step["step"].append((total + timer.cur["server"]) * 1e3)
+
+    def timed_steps(n: int) -> None:
+        for _ in range(n):
+            timer.cur.clear()
+            t = time.perf_counter()
+            outs = eng.step()
+            total = time.perf_counter() - t
+            t = time.perf_counter()
+            records = [record(o) for o in outs]
+            timer.cur["server"] = time.perf_counter() - t
+            assert len(records) == rows, f"{len(records)} outputs for {rows} rows"
+            timer.cur["outputs"] = total - sum(timer.cur[p] for p in PHASES if p not in ("outputs", "server"))
+            for p in PHASES:
+                per_step[p].append(timer.cur[p] * 1e3)
+            per_step["host"].append(sum(timer.cur[p] for p in PHASES if p not in ("forward", "logits")) * 1e3)
+            per_step["step"].append((total + timer.cur["server"]) * 1e3)
+    if chunk:
+        for k in range(0, steps, chunk):
+            other(min(chunk, steps - k))
+            on_thread(timed_steps, min(chunk, steps - k))
+    else:
+        timed_steps(steps)
     assert eng.graph_stats()["full_steps"] > 0
+    if chunk:
+        return {k: statistics.median(v) for k, v in per_step.items()}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # one more step, counted op by op (not timed)
         eng.step()
     ops = sum(e.count for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::")))
     return {**{k: statistics.median(v) for k, v in per_step.items()}, "op_calls": ops}
+
+
+def measure_async(model: str, rows: int, workload: str, steps: int, prompt_len: int = 64, chunk: int = 10) -> dict:
+    """Step medians with async scheduling off (by phase) and on (whole steps), alternating every `chunk` steps."""
+    from pdserve.serve.engine_messages import record
+    eng, times = engine(model, rows, workload, prompt_len, async_scheduling=True), []
+
+    def run_on(n: int) -> None:
+        for _ in range(n):
+            t = time.perf_counter()
+            records = [record(o) for o in eng.step()]  # the engine loop's own work overlaps the forward too
+            times.append((time.perf_counter() - t) * 1e3)
+            assert len(records) == rows, f"{len(records)} outputs for {rows} rows"
+    # The synchronous engine's steps run on the other's model thread: one OpenMP pool (pdserve/worker/openmp.py;
+    # two pools on few cores throttle every parallel region), freed on this thread once the engines are built.
+    from pdserve.worker.openmp import release_thread_pool
+
+    def on_model_thread(fn, n: int) -> None:
+        release_thread_pool()  # (building the synchronous engine made this thread's pool again)
+        eng.steps.call(fn, n)
+    off = measure(model, rows, workload, steps, prompt_len, chunk, run_on, on_model_thread)
+    assert eng.steps.num_overlapped >= steps
+    eng.shutdown()
+    on = statistics.median(times)
+    return {"step_off": off["step"], "step_on": on, "host_off": off["host"],
+            "hidden": (off["step"] - on) / off["host"], **{f"off_{p}": off[p] for p in PHASES}}
 
 
 def _timed(timer, phase, fn, *a, **kw):
@@ -125,8 +180,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="timed decode steps per case (median reported)")
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (the context the timed "
                     "steps decode over; the tiny model allows up to ~1600)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/step_overhead.json"), help="JSON result path")
+    ap.add_argument("--async", dest="overlap", action="store_true", help="async scheduling on against off: the "
+                    "share of the host time hidden behind the forward (default --out: step_overhead_async.json)")
+    ap.add_argument("--out", default=None, help="JSON result path (default: benchmarks/results/step_overhead.json)")
     args = ap.parse_args()
+    args.out = args.out or str(ROOT / "benchmarks/results" / f"step_overhead{'_async' if args.overlap else ''}.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=<another checkout> measures that tree (a baseline)
         sys.path.insert(0, str(ROOT))
@@ -134,10 +192,19 @@ def main() -> None:
     model = args.model or str(ensure_model("qwen3", "tiny", 0))
     import torch
     results = []
-    print(f"{'rows':>5} {'workload':>8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'host':>7} {'step':>7}  (ms)"
-          f" {'op calls':>8}")
+    if args.overlap:
+        print(f"{'rows':>5} {'workload':>8} {'host off':>9} {'step off':>9} {'step on':>9} {'hidden':>7}  (ms)")
+    else:
+        print(f"{'rows':>5} {'workload':>8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'host':>7} {'step':>7}  (ms)"
+              f" {'op calls':>8}")
     for rows in map(int, args.rows.split(",")):
         for wl in args.workloads.split(","):
+            if args.overlap:
+                r = measure_async(model, rows, wl, args.steps, args.prompt_len)
+                results.append({"rows": rows, "workload": wl, **r})
+                print(f"{rows:>5} {wl:>8} {r['host_off']:9.3f} {r['step_off']:9.3f} {r['step_on']:9.3f} "
+                      f"{r['hidden']:7.1%}", flush=True)
+                continue
             r = measure(model, rows, wl, args.steps, args.prompt_len)
             results.append({"rows": rows, "workload": wl, **r})
             print(f"{rows:>5} {wl:>8} " + " ".join(f"{r[p]:9.3f}" for p in PHASES) + f" {r['host']:7.3f} "
@@ -147,7 +214,7 @@ def main() -> None:
     tree = Path(pdserve.__file__).resolve().parent.parent
     rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     out = {"tree": str(tree), "rev": rev.stdout.strip(), "prompt_len": args.prompt_len, "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "steps": args.steps, "model": model,
+           "threads": torch.get_num_threads(), "steps": args.steps, "model": model, "async": args.overlap,
            "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -8,7 +8,7 @@
     # what a user gets with both servers' defaults (issue 34's table), both backends with overlap on and off,
     # quiet and beside two competing engine processes, plus offline throughput; one run per pair:
     .venv/bin/python benchmarks/vs_vllm.py --threads 0 --runs 1 --load 2 --offline --backends process,thread \
-        --variants "overlap=,sync=--no-async-scheduling" \
+        --variants "overlap=--async-scheduling,sync=--no-async-scheduling" \
         --workloads tiny:96/24@6x48,tiny:64/16@4x40,small:128/32@2x32 --out benchmarks/results/vs_vllm_defaults.json
     .venv/bin/python benchmarks/vs_vllm.py --models small --dtype bfloat16   # both in bf16: vs_vllm_bfloat16.json
     .venv/bin/python benchmarks/vs_vllm.py --models small --long-prefill-token-threshold 32   # vs_vllm_lpt32.json
@@ -206,7 +206,8 @@ def main() -> None:
                     "process (the engine loop in its own process, the default) and/or thread (beside the HTTP "
                     "event loop, one process)")
     ap.add_argument("--variants", default="", help="comma-separated NAME=FLAGS pdserve variants run for each "
-                    "backend, e.g. 'overlap=,sync=--no-async-scheduling' (FLAGS: extra `pdserve serve` flags, "
+                    "backend, e.g. 'overlap=--async-scheduling,sync=--no-async-scheduling' (FLAGS: extra "
+                    "`pdserve serve` flags, "
                     "space-separated; an ENV:NAME=VALUE item sets the server's environment instead, e.g. "
                     "'t1=ENV:OMP_NUM_THREADS=1'); default: one variant, no extra flags")
     ap.add_argument("--load", type=int, default=0, help="also measure every server beside this many competing "

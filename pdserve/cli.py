@@ -251,7 +251,8 @@ def cmd_generate(args) -> int:
         print(f"--- prompt ({len(o.prompt_token_ids)} tokens): {p!r}")
         print(f"    output ({len(c.token_ids)} tokens, finish={c.finish_reason}): {c.text!r}")
     print(f"{len(prompts)} prompts, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tokens/s "
-          f"(device={llm.engine.device.type}, dtype={str(llm.engine.dtype).removeprefix('torch.')})")
+          f"(device={llm.engine.device.type}, dtype={str(llm.engine.dtype).removeprefix('torch.')}, "
+          f"async scheduling {'on' if llm.engine.async_scheduling else 'off'})")
     return 0
 
 

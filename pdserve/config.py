@@ -61,6 +61,18 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = _f(0, "Most tokens of one request's prefill chunk in one step (0: only the "
                                               "token budget caps it); smaller chunks keep the steps that decoding "
                                               "requests wait on short, at the cost of the prompts' TTFT.")
+    async_scheduling: Optional[bool] = _f(None, "Overlap the host work of a step (scheduling the next step, "
+                                          "filling its inputs, detokenizing the last step's tokens, building "
+                                          "outputs) with the model's forward on a worker thread; the tokens are "
+                                          "the same as without. Default: auto, on with CUDA, off on CPU (there the "
+                                          "forward is Python op dispatch holding the GIL the host work needs, and "
+                                          "a 2-core machine measured steps 0.1-2.2 ms slower with it: "
+                                          "benchmarks/results/step_overhead_async.json). Off with "
+                                          "--speculative-config (the next drafts need the landed tokens).")
+
+    def use_async_scheduling(self, device_type: str) -> bool:
+        """`async_scheduling` resolved for an engine on `device_type` (unset: auto, on for CUDA only)."""
+        return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
 
 CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
@@ -207,7 +219,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         help_text = f.metadata.get("help", "")
         if "default" not in help_text.lower() and "unset" not in help_text.lower():  # a stated default wins
             help_text += f" (default: {f.default})"
-        if tp is bool:
+        if tp is bool or (tp == Optional[bool] and f.default is None):  # None: --flag / --no-flag not given
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
         elif typing.get_origin(tp) is Literal:

@@ -17,7 +17,7 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         # a CPU engine gives up its extra threads while other processes want the cores (worker/cpu_threads.py)
-        self.cpu_threads = adaptive_threads(self.engine.device.type)
+        self.cpu_threads = adaptive_threads(self.engine.device.type, set_threads=self.engine.set_num_threads)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -59,6 +59,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: Optional[str] = None
         self.num_new_tokens = 0  # tokens the last step appended (a drafting row may append several)
+        # Async scheduling (vLLM's num_output_placeholders): the token an in-flight step will append (0 or 1); it is
+        # not in output_token_ids, which the in-flight sampler reads, but the scheduler counts it as if it were.
+        self.num_output_placeholders = 0
         # sampling_params.bad_words tokenized, set by the engine (it has the tokenizer), read by the sampler: an
         # input of the request like its params, not state the sampler makes, so it stays here
         self.bad_words_token_ids: Optional[list[list[int]]] = None
@@ -78,6 +81,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

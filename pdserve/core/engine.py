@@ -1,4 +1,5 @@
-"""LLMEngine: tokenization, validation, and the schedule -> run -> update step.
+"""LLMEngine: tokenization, validation, and the schedule -> run -> update step (step_pipeline.py: synchronous, or with
+the model's forward overlapping the host work around it, async scheduling).
 
 Its outputs are built in output_processor.py; its P/D face (kv_transfer_params checks and proofs, leases, probes) is
 the `KVGateway` (kv_gateway.py), and the scheduler's P/D half (loads, leases, held blocks) is `KVTransfers`
@@ -7,7 +8,6 @@ the `KVGateway` (kv_gateway.py), and the scheduler's P/D half (loads, leases, he
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,6 +19,7 @@ from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
+from pdserve.core.step_pipeline import EngineStep, StepPipeline
 from pdserve.model.loader import check_model_dir, model_dims, read_json_file, resolve_dtype
 from pdserve.model.sampler import Logprob
 from pdserve.outputs import RequestOutput
@@ -91,6 +92,12 @@ class LLMEngine:
         self._counter = 0
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request, self._seal_params)
         self._admitted: list[RequestOutput] = []  # D: outputs of P's first tokens, out with the next step's
+        wanted = config.scheduler.use_async_scheduling(self.device.type)
+        self.async_scheduling = wanted and config.speculative_config is None
+        if wanted and not self.async_scheduling:
+            logger.info("async scheduling is off with speculative decoding (the next step's drafts are looked up in "
+                        "the tokens this step makes): steps run one after another")
+        self.steps = StepPipeline(self) if self.async_scheduling else EngineStep(self)
 
     def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
         """KV blocks, the null block included: the override, else what `profile` leaves under
@@ -255,8 +262,8 @@ class LLMEngine:
             self._fail(req.request_id, "no free KV blocks")  # drops its per-request state
             raise RuntimeError(f"no free KV blocks to import {n - 1} tokens for {req.request_id}")
         req.num_computed_tokens = num_hit
-        try:
-            self.runner.prefill_kv(req, num_hit, n - 1, self.kv.block_table)
+        try:  # where the steps run, after the step in flight (its model and input buffers)
+            self.steps.call(self.runner.prefill_kv, req, num_hit, n - 1, self.kv.block_table)
         except Exception as e:  # nothing of it may stay behind: not its blocks, not its per-request state
             self._fail(req.request_id, f"prefill for the import failed: {e}")
             raise
@@ -267,7 +274,13 @@ class LLMEngine:
         self.scheduler.mark_imported(req)
         return req
 
+    def set_num_threads(self, n: int) -> None:
+        """CPU intra-op threads of the thread that runs the model: torch's OpenMP count is per thread, so with async
+        scheduling it is set on the worker thread (after the step in flight), where a count set here would not go."""
+        self.steps.call(torch.set_num_threads, n)
+
     def shutdown(self) -> None:
+        self.steps.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
 
@@ -309,59 +322,23 @@ class LLMEngine:
         return self.output_processor.make_output(req, []) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, outputs to hand out, or transfers (loads, leases) that still need the engine to poll."""
-        return bool(self._admitted) or self.scheduler.has_unfinished() or (
+        """Requests to run, outputs to hand out, a step in flight to land, or transfers (loads, leases) that still need
+        the engine to poll."""
+        return bool(self._admitted) or self.scheduler.has_unfinished() or self.steps.in_flight is not None or (
             self.connector is not None and self.connector.has_pending())
-
-    def _poll_transfers(self) -> list[RequestOutput]:
-        if self.connector is None:
-            return []
-        fin = self.connector.get_finished()
-        now = time.monotonic()
-        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue):
-            if (st := self.output_processor.states.get(rid)) is not None:
-                st.metrics.kv_load_end_time = now
-                st.metrics.kv_loaded = rid in fin.done_recving
-        failed = self.scheduler.process_transfers(fin)
-        return [self.output_processor.make_output(r, []) for r in failed if r is not None]
 
     def _fail(self, request_id: str, why: str) -> RequestOutput:
         return self.output_processor.make_output(
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, why), [])
 
     def step(self) -> list[RequestOutput]:
-        transfer_outputs = self._poll_transfers()
-        if self._admitted:
-            transfer_outputs, self._admitted = self._admitted + transfer_outputs, []
-        out = self.scheduler.schedule()
-        if self.connector is not None:
-            meta = self.connector.build_connector_meta()
-            now = time.monotonic()
-            for job in meta.loads:
-                if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
-                    self.output_processor.states[job.request_id].metrics.kv_load_start_time = now
-            self.connector.start_load_kv(meta)
-        if not out.rows:
-            if self.has_unfinished_requests() and not transfer_outputs:
-                time.sleep(0.001)  # only transfers in flight: poll, do not spin
-            return transfer_outputs
-        now = time.monotonic()
-        states = self.output_processor.states
-        for row in out.rows:
-            m = states[row.request.request_id].metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
-        try:
-            result = self.runner.execute(out.rows, self.kv.block_table)
-        except Exception as e:  # a failed step fails its requests, never the engine
-            logger.exception("model step failed")
-            return transfer_outputs + [self._fail(r.request.request_id, f"model step failed: {e}") for r in out.rows]
-        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        updated = self.scheduler.update_from_output(out, result.sampled)
-        lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
-        return transfer_outputs + self.output_processor.process(updated, lp_by_req)
+        """Poll transfers, schedule, run, update, outputs (step_pipeline.py; with async scheduling the model's run
+        overlaps the next step()'s host work, and the outputs come one step() later)."""
+        return self.steps.step()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        self.steps.check_invariants()  # a step in flight is accounted for, not waited on
         # every request that left the scheduler made its final output, which dropped its output state
         leaked = set(self.output_processor.states) - set(self.scheduler.requests)
         assert not leaked, f"output state kept for requests no longer scheduled: {sorted(leaked)[:5]}"

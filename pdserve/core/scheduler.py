@@ -17,6 +17,10 @@ included) also schedules K drafts the n-gram proposer looked up in its own token
 remote load allocates the replay's lookahead slots with its blocks. In step 3 such a row gets its emitted tokens
 (accepted drafts, then the correction or bonus) one by one against the stop conditions; `num_computed_tokens`
 advances by 1 + accepted only (capped at the kept tokens), so rejected KV is never read or published.
+
+Async scheduling (core/step_pipeline.py): step 1 of the next step runs while the model runs this one, which
+`mark_in_flight` counted as landed (its tokens computed, a sampling row's token a placeholder: counted in
+`num_tokens_with_placeholders`, not appended); step 3 then runs with `in_flight=True`.
 """
 from __future__ import annotations
 
@@ -92,7 +96,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            left = req.num_tokens - req.num_computed_tokens
+            if req.num_output_placeholders and self._capped_when_landed(req):
+                continue  # its in-flight token ends it: another row would compute a token never kept
+            left = req.num_tokens_with_placeholders - req.num_computed_tokens
             drafts = self._drafts(req) if drafting and left == 1 else NO_DRAFTS
             num_new = self._chunk(left)
             # All or nothing: drafts that do not fit the budget or the free blocks are dropped (the row decodes
@@ -191,33 +197,56 @@ class Scheduler:
         k = self.num_lookahead(req)
         return self.proposer.propose_padded_for(req, k) if k else []
 
+    def _capped_when_landed(self, req: Request) -> bool:
+        """A length cap `_check_stop` will certainly apply once the in-flight token lands (a P's first token for D
+        is its one token: the hand-off ends it)."""
+        return req.num_tokens_with_placeholders >= self.max_model_len or \
+            req.num_output_tokens + req.num_output_placeholders >= req.max_tokens or req.hands_off_first_token
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.prefill_len = req.num_tokens  # the readmission recomputes the outputs too: a prefill, as vLLM's MRv2
+        # the readmission recomputes the outputs too: a prefill, as vLLM's MRv2 (an in-flight token included: it
+        # lands before the readmission)
+        req.prefill_len = req.num_tokens_with_placeholders
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list) -> list[Request]:
+    def mark_in_flight(self, out: SchedulerOutput) -> None:
+        """Async scheduling: count a launched step as landed, so that the next `schedule()` can run while it runs:
+        each row's tokens computed, a sampling row's token pending as a placeholder (not appended)."""
+        for row in out.rows:
+            req = row.request
+            if row.samples:
+                req.num_output_placeholders += 1
+            req.num_computed_tokens += row.num_scheduled_tokens
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list, in_flight: bool = False) -> list[Request]:
         """Apply one step's results (per row: a token, None, or a drafting row's emitted tokens); returns the
-        requests that got new tokens (finished ones included), each with `num_new_tokens` set."""
+        requests that got new tokens (finished ones included), each with `num_new_tokens` set. `in_flight`: the
+        step was counted at launch (`mark_in_flight`): a token takes its placeholder's place, and a request the
+        schedule made meanwhile preempted gets its token and stop check but keeps its computed count reset."""
         updated = []
         for row, token in zip(out.rows, sampled):
             req = row.request
-            if req.is_finished:  # aborted while the step ran
+            if req.is_finished:  # aborted (or stopped by a stop string) while the step ran
                 continue
             if row.draft_token_ids:
                 self._apply_verified(req, row, token)
                 updated.append(req)
                 continue
             req.num_new_tokens = 1
-            req.num_computed_tokens += row.num_scheduled_tokens
-            self.kv.cache_blocks(req)
+            if not in_flight:
+                req.num_computed_tokens += row.num_scheduled_tokens
+            if req.status == RequestStatus.RUNNING:  # a preempted request holds no blocks
+                self.kv.cache_blocks(req)
             if token is None:
                 continue
+            if in_flight:
+                req.num_output_placeholders -= 1
             req.append_output_token(token)
             updated.append(req)
             status = self._check_stop(req, token)
@@ -281,4 +310,6 @@ class Scheduler:
         assert set(self.kv.req_blocks) <= owners, f"blocks held by unknown requests: {set(self.kv.req_blocks) - owners}"
         for r in self.waiting:  # only requests with imported KV (ready) or KV on its way (loading) hold blocks
             assert r.request_id not in self.kv.req_blocks and r.num_computed_tokens == 0, f"{r} waits holding blocks"
+            assert not r.num_output_placeholders, f"{r} waits with an in-flight token (it lands in its preempting step)"
+        assert all(r.num_output_placeholders in (0, 1) for r in self.running), "more than one step in flight"
         self.transfers.check_invariants()

@@ -87,8 +87,9 @@ class ServerState:
             self.names, self.tokenizer, info.vocab_size, info.max_model_len, self.generation_config,
             info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
             self.cfg.max_waiting, self.max_num_seqs))
-        logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s", info.max_model_len,
-                    info.num_blocks, info.device, self.cfg.engine_backend)
+        logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s, async scheduling %s",
+                    info.max_model_len, info.num_blocks, info.device, self.cfg.engine_backend,
+                    "on" if info.async_scheduling else "off")
         await self.engine.wait_died()
         if server is not None and not server.should_exit:  # not a shutdown's own stop: as vLLM, exit non-zero
             # so a supervisor restarts the server; uvicorn's graceful exit lets the error answers go out first

@@ -49,10 +49,10 @@ class EngineCore:
         gc.freeze()  # start-up objects live as long as the server: no later collection walks them (a full one took
         # ~95 ms on a D, a pause that would land inside a decode step)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
-                             getattr(eng, "connector", None) is not None))
+                             getattr(eng, "connector", None) is not None, eng.async_scheduling))
         self._checks = LeaseChecks(eng.gateway.remote_lease_left)
         from pdserve.worker.cpu_threads import adaptive_threads
-        self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid)
+        self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
         try:

@@ -50,6 +50,7 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True):
     num_blocks: int
     device: str
     has_kv_connector: bool
+    async_scheduling: bool = False  # as resolved for the device (the flag's default is auto)
 
 
 class EngineFailed(msgspec.Struct, array_like=True, tag=True):

@@ -108,10 +108,13 @@ class CpuThreads:
         return self.threads
 
 
-def adaptive_threads(device_type: str, partner_pid: Optional[int] = None) -> Optional[CpuThreads]:
+def adaptive_threads(device_type: str, partner_pid: Optional[int] = None,
+                     set_threads: Callable[[int], None] = torch.set_num_threads) -> Optional[CpuThreads]:
     """The governor for an engine on `device_type`, or None where the count stays as it is: a GPU engine, one
-    thread, OMP_NUM_THREADS set (the user chose), PDSERVE_ADAPTIVE_THREADS=0, or no /proc/stat to read."""
+    thread, OMP_NUM_THREADS set (the user chose), PDSERVE_ADAPTIVE_THREADS=0, or no /proc/stat to read.
+    `set_threads` must set the count on the thread that runs the model: OpenMP's count is per thread
+    (`LLMEngine.set_num_threads`)."""
     if device_type != "cpu" or os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() <= 1 or \
             os.environ.get("PDSERVE_ADAPTIVE_THREADS", "1") == "0" or machine_busy_seconds() is None:
         return None
-    return CpuThreads(torch.get_num_threads(), partner_pid=partner_pid)
+    return CpuThreads(torch.get_num_threads(), partner_pid=partner_pid, set_threads=set_threads)

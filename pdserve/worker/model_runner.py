@@ -1,6 +1,9 @@
 """Runs one scheduled step on the model: fills the input buffers, runs the forward pass, samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 from pdserve.attention import make_backend
@@ -17,6 +20,17 @@ from pdserve.worker.graph_metrics import GraphStats
 from pdserve.worker.input_batch import InputBuffers, PreparedBatch
 from pdserve.worker.piecewise import PiecewiseRunner
 from pdserve.worker.prompt_logprobs import PromptLogprobs
+
+
+@dataclass
+class PreparedStep:
+    """A step whose inputs are in the buffers (`ModelRunner.prepare`), ready for `ModelRunner.run`."""
+    rows: list
+    batch: PreparedBatch
+    mode: CUDAGraphMode
+    desc: object  # the dispatcher's padded descriptor
+    # called by `run` once the forward and the LM head are enqueued (on CPU: done), before sampling
+    launched: Optional[Callable[[], None]] = None
 
 
 def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
@@ -170,30 +184,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, rows, blocks_of) -> ModelRunnerOutput:
+        return self.run(self.prepare(rows, blocks_of))
+
+    def prepare(self, rows, blocks_of) -> PreparedStep:
+        """The half of a step that reads request and scheduler state (the rows' tokens, positions, prefill_len, the
+        block tables): the graph choice and the input buffers. On the engine thread, with no step running (on CPU
+        the buffers are the forward's own inputs)."""
         mode, desc, reason, num_tokens = self.choose_graph(rows)
         if mode == CUDAGraphMode.FULL:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens, desc.num_reqs,
                                          layout_fn=lambda widths: self.full_graphs.layout_for(desc, widths))
-            hidden_all = self.full_graphs.run(desc, batch.layout)
-        elif mode == CUDAGraphMode.PIECEWISE and self.piecewise is not None:
-            batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens)
-            hidden_all = self.piecewise.run(desc.num_tokens, batch.meta)
         else:
             batch = self.buffers.prepare(rows, blocks_of, desc.num_tokens if mode == CUDAGraphMode.PIECEWISE else None)
+        # here, on the thread that also flushes the counts (the engine loop), never on the worker thread
+        self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
+        return PreparedStep(rows, batch, mode, desc)
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> ModelRunnerOutput:
+        """The half that may run on a worker thread: forward, LM head, prompt logprobs, sampling. Of the requests it
+        reads only what the engine thread leaves alone while it runs (params, prompt and output token ids). Sampled
+        tokens are read back, so a step that samples has done its device work when this returns; one that does not
+        is ordered before the next on the stream."""
+        rows, batch, mode, desc = step.rows, step.batch, step.mode, step.desc
+        if mode == CUDAGraphMode.FULL:
+            hidden_all = self.full_graphs.run(desc, batch.layout)
+        elif mode == CUDAGraphMode.PIECEWISE and self.piecewise is not None:
+            hidden_all = self.piecewise.run(desc.num_tokens, batch.meta)
+        else:
             hidden_all = self.forward_all(batch)
         hidden = hidden_all[batch.logits_indices]
         prompt_lps = self.prompt_logprobs.add(self.model, hidden_all, rows, batch.starts, batch.order,
                                               self.max_scored) if self.prompt_logprobs.wanted(rows) else {}
-        self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(rows), reason)
-        out = self.sample(rows, batch, hidden)
+        out = self.sample(rows, batch, hidden, step.launched)
         out.prompt_logprobs = prompt_lps
         return out
 
-    def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def sample(self, rows, batch: PreparedBatch, hidden: torch.Tensor,
+               launched: Optional[Callable[[], None]] = None) -> ModelRunnerOutput:
         sampled: list = [None] * len(rows)
         logprobs: list = [None] * len(rows)
         if batch.logits_rows:
             logits = self.model.compute_logits(hidden)
+            if launched is not None:
+                launched()
             reqs = [rows[batch.order[r]].request for r in batch.logits_rows]
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)

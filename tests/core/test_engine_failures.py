@@ -27,15 +27,15 @@ def run(e):
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(qwen3_tiny):
     llm = LLM(qwen3_tiny, block_size=4, max_model_len=53)
     e = llm.engine
-    real = e.runner.execute
+    real = e.runner.run  # the model's half of a step: run by execute, or on the worker thread (async scheduling)
     calls = [0]
 
-    def flaky(rows, table):
+    def flaky(step):
         calls[0] += 1
         if calls[0] == 3:  # mid-decode, both requests running
             raise RuntimeError("device lost")
-        return real(rows, table)
-    e.runner.execute = flaky
+        return real(step)
+    e.runner.run = flaky
     e.add_request([5, 6, 7, 8, 9], GREEDY, request_id="a")
     e.add_request(list(range(10, 23)), GREEDY, request_id="b")
     outs = run(e)
@@ -44,7 +44,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(qwen3_tiny):
         assert o.finished and o.outputs[0].finish_reason == "error" and "device lost" in o.error
         assert 0 < len(o.outputs[0].token_ids) < GREEDY.max_tokens
     whole(e)
-    e.runner.execute = real  # the next request is served as if nothing happened
+    e.runner.run = real  # the next request is served as if nothing happened
     ref = LLM(qwen3_tiny, block_size=4, max_model_len=53).generate([[5, 6, 7, 8, 9]], GREEDY, use_tqdm=False)
     e.add_request([5, 6, 7, 8, 9], GREEDY, request_id="c")
     assert run(e)["c"].outputs[0].token_ids == ref[0].outputs[0].token_ids

@@ -49,8 +49,8 @@ class Result:
 
 
 class _NoSleep:
-    """The engine module's `time` with a no-op sleep: it sleeps 1 ms whenever only transfers are in flight, and the
-    fake connector's transfers advance by steps, not time."""
+    """The engine step's `time` (core/step_pipeline.py) with a no-op sleep: it sleeps 1 ms whenever only transfers
+    are in flight, and the fake connector's transfers advance by steps, not time."""
 
     def __getattr__(self, name):
         return getattr(_time, name)
@@ -76,7 +76,7 @@ def _alone(model_dir: str, prompt: tuple, sp_json: str, mml: int) -> tuple:
     from pdserve.core.engine import LLMEngine
     e = LLMEngine(EngineConfig.from_kwargs(model_dir, max_model_len=mml, block_size=16, enforce_eager=True,
                                            enable_prefix_caching=False, num_gpu_blocks_override=cdiv(mml, 16) + 1,
-                                           max_num_seqs=1, device="cpu"))
+                                           max_num_seqs=1, device="cpu", async_scheduling=False))
     e.add_request(list(prompt), make_params(json.loads(sp_json)), "alone")
     out = None
     while e.has_unfinished_requests():

@@ -40,13 +40,13 @@ def fakes(tiny_model_dir: str):
     validation accepts only KNOWN_CONNECTORS; PD_CONNECTORS makes a consumer of it a P/D consumer, as tcp's).
     Yields the model directory the fuzzer's engines load."""
     import pdserve.kv_transfer_config as config
-    from pdserve.core import engine
+    from pdserve.core import engine, step_pipeline
     from tests.fuzz.fake_connector import NAME
     model_dir = make_model_dir(tiny_model_dir, Path(tempfile.mkdtemp(prefix="pdserve-fuzz-")) / "fake-model")
     cached = functools.lru_cache(maxsize=None)(engine.load_tokenizer)
     with quiet(), mock.patch("pdserve.worker.model_runner.load_model", fake_load_model), \
             mock.patch.object(engine, "load_tokenizer", cached), \
-            mock.patch.object(engine, "time", patched_engine_time()), \
+            mock.patch.object(step_pipeline, "time", patched_engine_time()), \
             mock.patch.object(config, "KNOWN_CONNECTORS", config.KNOWN_CONNECTORS + (NAME,)), \
             mock.patch.object(config, "PD_CONNECTORS", config.PD_CONNECTORS + (NAME,)):
         yield str(model_dir)

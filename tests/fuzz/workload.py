@@ -40,6 +40,7 @@ def gen_config(r: random.Random) -> dict:
         cfg["kv"] = {"connector": "bench"}
     # drawn last, so that the fields above keep the values they had for a seed before this field existed
     cfg["long_prefill"] = r.choice([0, 0, 0, 1, r.randint(2, 40)]) if chunked else 0
+    cfg["async"] = r.random() < 0.5  # async scheduling (core/step_pipeline.py); a case saved before it ran without
     return cfg
 
 
@@ -155,7 +156,7 @@ def engine_kwargs(cfg: dict) -> dict:
               long_prefill_token_threshold=cfg.get("long_prefill", 0),
               max_num_seqs=cfg["max_num_seqs"], full_graph_rule=cfg["rule"], cudagraph_mode=cfg["mode"],
               enforce_eager=cfg["eager"], max_cudagraph_capture_size=cfg["capture_max"], seed=cfg["seed"],
-              device="cpu")
+              async_scheduling=cfg.get("async", False), device="cpu")
     kv = cfg.get("kv") or {}
     if kv.get("connector") == "fuzz":
         from tests.fuzz.fake_connector import NAME, TOKEN

@@ -45,13 +45,13 @@ def srv(qwen3_tiny):
 def slow_steps(monkeypatch):
     """Every model step takes 0.2 s more while `on[0]`: 45 tokens take ~9 s, so an abort is told apart from the
     end."""
-    real, on = ModelRunner.execute, [True]
+    real, on = ModelRunner.run, [True]
 
-    def slow(self, rows, table):
+    def slow(self, step):
         if on[0]:
             time.sleep(0.2)
-        return real(self, rows, table)
-    monkeypatch.setattr(ModelRunner, "execute", slow)
+        return real(self, step)
+    monkeypatch.setattr(ModelRunner, "run", slow)
     return on
 
 

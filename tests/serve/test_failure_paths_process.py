@@ -93,12 +93,12 @@ def test_the_engine_stops_cleanly_when_the_server_goes_away(qwen3_tiny, monkeypa
     monkeypatch.setattr(engine_core, "EngineCore", Recorded)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # the entry point's, for a main thread
     monkeypatch.setattr(request_context, "configure_logging", lambda level: None)
-    real = ModelRunner.execute
+    real = ModelRunner.run
 
-    def slow(self, rows, table):  # 45 tokens take ~2 s
+    def slow(self, step):  # 45 tokens take ~2 s
         time.sleep(0.05)
-        return real(self, rows, table)
-    monkeypatch.setattr(ModelRunner, "execute", slow)
+        return real(self, step)
+    monkeypatch.setattr(ModelRunner, "run", slow)
     caplog.set_level(logging.INFO, logger="pdserve.serve.engine")
     ctx = mp.get_context("spawn")
     cmd_recv, cmd_send = ctx.Pipe(duplex=False)

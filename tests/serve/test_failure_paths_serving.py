@@ -51,13 +51,13 @@ def events(text: str) -> list:
 def failing_steps(monkeypatch):
     """Model steps raise while `on[0]` is true."""
     on = [False]
-    real = ModelRunner.execute
+    real = ModelRunner.run
 
-    def flaky(self, rows, table):
+    def flaky(self, step):
         if on[0]:
             raise RuntimeError("device lost")
-        return real(self, rows, table)
-    monkeypatch.setattr(ModelRunner, "execute", flaky)
+        return real(self, step)
+    monkeypatch.setattr(ModelRunner, "run", flaky)
     return on
 
 
@@ -90,12 +90,12 @@ def test_a_stream_that_breaks_after_its_headers_ends_with_an_error_and_aborts(qw
     """Rendering a chunk raises mid-stream: the client gets an error event and the end of the stream (no hang, no
     traceback), and the request is aborted in the engine (its blocks freed) though it had tokens left to make:
     steps are slowed so that the 45 tokens would take ~9 s, and the pool must be whole well before that."""
-    real_step = ModelRunner.execute
+    real_step = ModelRunner.run
 
-    def slow(self, rows, table):
+    def slow(self, step):
         time.sleep(0.2)
-        return real_step(self, rows, table)
-    monkeypatch.setattr(ModelRunner, "execute", slow)
+        return real_step(self, step)
+    monkeypatch.setattr(ModelRunner, "run", slow)
     real = ResponseBuilder.chunks
     calls = [0]
 
@@ -119,7 +119,7 @@ def test_a_stream_that_breaks_after_its_headers_ends_with_an_error_and_aborts(qw
         assert len(texts) < 45
         pool_whole(c, timeout=max(0.1, 4.0 - (time.monotonic() - t0)))
         monkeypatch.setattr(ResponseBuilder, "chunks", real)
-        monkeypatch.setattr(ModelRunner, "execute", real_step)
+        monkeypatch.setattr(ModelRunner, "run", real_step)
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
         pool_whole(c)

@@ -20,15 +20,18 @@ ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=512, max
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class HTTPServer:"]
 
 
-@pytest.fixture(scope="module", params=["process", "thread"])
+@pytest.fixture(scope="module", params=["process", "thread", "process-async"])
 def server(qwen3_tiny, request):
     """Every test here runs against both engine backends: the engine loop in its own process (the default) and on
-    a thread of the server's."""
-    srv = ServerProcess(qwen3_tiny, "--engine-backend", request.param, "--enable-debug-routes", "--max-model-len",
+    a thread of the server's; and once more with async scheduling (off by default on CPU) in the process backend."""
+    backend, _, overlap = request.param.partition("-")
+    srv = ServerProcess(qwen3_tiny, "--engine-backend", backend, "--enable-debug-routes", "--max-model-len",
                         str(MAX_MODEL_LEN),
                         "--num-gpu-blocks-override", "512", "--max-num-seqs", "64", "--max-body-bytes", "65536",
-                        "--served-model-name", "tiny", "tiny-alias", api_key=API_KEY)
+                        "--served-model-name", "tiny", "tiny-alias", *(["--async-scheduling"] if overlap else []),
+                        api_key=API_KEY)
     with healthy(srv):
+        assert f"async scheduling {'on' if overlap else 'off'}" in srv.log()  # the ready line says the mode
         yield srv
 
 

@@ -295,8 +295,8 @@ def scripted(llm, script: list[int]):
     from pdserve.sched_output import ModelRunnerOutput
     todo, drafts = list(script), []
 
-    def execute(rows, block_table):
-        sampled = []
+    def run(step):  # the model's half of a step, with or without async scheduling
+        rows, sampled = step.rows, []
         drafts.append([len(r.draft_token_ids) for r in rows])
         for r in rows:
             if not r.samples:
@@ -308,7 +308,7 @@ def scripted(llm, script: list[int]):
             else:
                 sampled.append(todo.pop(0))
         return ModelRunnerOutput(sampled, [None] * len(rows))
-    llm.engine.runner.execute = execute
+    llm.engine.runner.run = run
     return drafts
 
 

@@ -29,10 +29,13 @@ def col(qwen3_tiny):
     return LLM(qwen3_tiny, **ENGINE)
 
 
-@pytest.fixture(scope="module")
-def pd(qwen3_tiny):
-    p = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), **ENGINE)
-    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0), **ENGINE)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def pd(qwen3_tiny, request):
+    """P and D with async scheduling off (the CPU default) and on: P's one token is in flight when it hands off."""
+    p = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), async_scheduling=request.param,
+            **ENGINE)
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0),
+            async_scheduling=request.param, **ENGINE)
     yield p, d
     p.engine.shutdown()
     d.engine.shutdown()

@@ -10,7 +10,8 @@ from pdserve.sched_output import NULL_BLOCK
 from pdserve.worker.cudagraph_dispatch import BatchDescriptor
 
 CONSUMER = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_consumer"}
-SMALL = dict(max_model_len=256, kv_cache_memory_gb=0.05, max_num_seqs=64)
+# synchronous steps: the tests look at what a step() wrote (KV, logits) as soon as it returns
+SMALL = dict(max_model_len=256, kv_cache_memory_gb=0.05, max_num_seqs=64, async_scheduling=False)
 
 
 def make(model, **kw):

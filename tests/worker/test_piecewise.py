@@ -10,7 +10,8 @@ from pdserve import LLM, SamplingParams
 
 from tests.worker.test_graphs import finish_all, greedy, prompt
 
-SMALL = dict(max_model_len=211, kv_cache_memory_gb=0.05, max_num_seqs=24)
+# synchronous steps: mixed_rows schedules a step by hand, which must see every token landed
+SMALL = dict(max_model_len=211, kv_cache_memory_gb=0.05, max_num_seqs=24, async_scheduling=False)
 
 
 def mixed_rows(e, decodes: int, prefill_len: int):

@@ -1,0 +1,227 @@
+"""The engine's step: poll transfers, schedule, run the model, update, outputs. `EngineStep` runs them one after
+another; `StepPipeline` (async scheduling, vLLM's `--async-scheduling`) overlaps the model's forward of one step
+with the host work around it: at most one step in flight, on one long-lived worker thread.
+
+`LLMEngine.step()` with step k + 1 in flight on entry:
+a. poll transfers;
+b. schedule step k + 2 while k + 1 runs: k + 1 was counted as landed at its launch (`Scheduler.mark_in_flight`:
+   computed counts advanced, a sampling row's token pending as a placeholder), so a decode row's next position is
+   its placeholder's, and a request whose pending token certainly hits a length cap is not scheduled again; the KV
+   connector's loads are built and started right after the schedule, as in the synchronous step;
+c. wait for k + 1 and land it (`update_from_output(in_flight=True)`): real tokens replace the placeholders, stop
+   checks, finishes, published blocks; a request finished meanwhile (aborted, a stop string) is skipped;
+d. drop k + 2's rows whose request (c) finished, fill k + 2's inputs here, on the engine thread (they read the
+   now-real tokens and the block tables), and start its forward and sampling on the worker thread, waiting until
+   its forward and LM head are enqueued (the GIL: see `_launch`);
+e. while that runs, make k + 1's outputs (detokenizer, stop strings, RequestOutputs) and return them, so the engine
+   loop's own work after `step()` overlaps the forward too.
+Outputs come one step() later than without overlap, never more; a step() with nothing to schedule still lands
+the step in flight.
+
+What must stay true:
+- Only the engine thread touches scheduler, block and output state. The worker thread runs `ModelRunner.run`,
+  which reads of the requests only their params and prompt and output token ids, and nothing changes those while
+  it runs (tokens are appended in (c), after it returned).
+- Freeing blocks an in-flight forward still writes (an abort, a stop string, a preemption by (b)) is safe: a row
+  writes KV only at positions >= its request's computed count when it was scheduled, in blocks not hashed or
+  published (`cache_blocks` runs in (c), after the write), so no prefix-cache hit reads them; a freed block that a
+  later step reuses is written by that step before it is read, and steps run in order on one thread (one stream),
+  so the stale write lands first. A KV load is the one writer outside the steps: loads given blocks start only
+  once the step in flight ran.
+- The model runs on the worker thread only (the arrival driver's prefill too: `call`); on CPU the engine thread
+  frees its OpenMP pool at the hand-over and runs no parallel region after it (worker/openmp.py).
+- Speculative decoding runs synchronously: the next step's drafts are looked up in tokens not landed yet.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from pdserve.model.layers import _warm_vml
+from pdserve.outputs import RequestOutput
+from pdserve.request import Request, RequestStatus
+from pdserve.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.worker.openmp import release_thread_pool
+
+if TYPE_CHECKING:
+    from pdserve.core.engine import LLMEngine
+
+logger = logging.getLogger("pdserve.engine")
+
+
+class EngineStep:
+    """One step after another: nothing is ever in flight between step() calls."""
+
+    def __init__(self, engine: "LLMEngine"):
+        self.engine = engine
+        self.in_flight: Optional[tuple[SchedulerOutput, concurrent.futures.Future]] = None
+
+    def step(self) -> list[RequestOutput]:
+        eng = self.engine
+        transfer_outputs = self._poll_transfers()
+        out = self._schedule()
+        if not out.rows:
+            return self._idle(transfer_outputs)
+        self._started(out)
+        try:
+            result = eng.runner.execute(out.rows, eng.kv.block_table)
+        except Exception as e:
+            return transfer_outputs + self._failed(out, e)
+        return transfer_outputs + eng.output_processor.process(*self._land(out, result))
+
+    def _poll_transfers(self) -> list[RequestOutput]:
+        eng = self.engine
+        admitted, eng._admitted = eng._admitted, []  # D: P's first tokens' outputs, admitted since the last step
+        if eng.connector is None:
+            return admitted
+        fin = eng.connector.get_finished()
+        now = time.monotonic()
+        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue):
+            if (st := eng.output_processor.states.get(rid)) is not None:
+                st.metrics.kv_load_end_time = now
+                st.metrics.kv_loaded = rid in fin.done_recving
+        failed = eng.scheduler.process_transfers(fin)
+        return admitted + [eng.output_processor.make_output(r, []) for r in failed if r is not None]
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, then the KV connector's loads it made (started in the background)."""
+        eng = self.engine
+        out = eng.scheduler.schedule()
+        if eng.connector is not None:
+            meta = eng.connector.build_connector_meta()
+            now = time.monotonic()
+            for job in meta.loads:
+                if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
+                    eng.output_processor.states[job.request_id].metrics.kv_load_start_time = now
+            if any(job.dst_blocks for job in meta.loads):
+                # a load may be handed blocks freed while the step in flight still writes them (an abort, a stop
+                # string): it starts once that step ran (which step() waits for next anyway)
+                self.wait()
+            eng.connector.start_load_kv(meta)
+        return out
+
+    def _idle(self, transfer_outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.engine.has_unfinished_requests() and not transfer_outputs:
+            time.sleep(0.001)  # only transfers in flight: poll, do not spin
+        return transfer_outputs
+
+    def _started(self, out: SchedulerOutput) -> None:
+        now = time.monotonic()
+        states = self.engine.output_processor.states
+        for row in out.rows:
+            m = states[row.request.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+
+    def _failed(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """A failed step fails its requests (those not finished meanwhile), never the engine."""
+        logger.error("model step failed", exc_info=e)
+        return [self.engine._fail(row.request.request_id, f"model step failed: {e}") for row in out.rows
+                if not row.request.is_finished]
+
+    def _land(self, out: SchedulerOutput, result: ModelRunnerOutput, in_flight: bool = False
+              ) -> tuple[list[Request], dict]:
+        """Apply a step's results; returns (the requests it updated, their logprob entries by id) for the outputs."""
+        eng = self.engine
+        live = {row.request.request_id for row in out.rows if not row.request.is_finished}  # not an id's new owner
+        eng.output_processor.add_prompt_logprobs({r: e for r, e in result.prompt_logprobs.items() if r in live})
+        updated = eng.scheduler.update_from_output(out, result.sampled, in_flight)
+        lp_by_req = {row.request.request_id: lp for row, lp in zip(out.rows, result.logprobs) if lp is not None}
+        return updated, lp_by_req
+
+    def wait(self) -> None:
+        """Until the step in flight has run (it still lands at the next step()): before a KV load starts, at
+        shutdown."""
+        if self.in_flight is not None:
+            concurrent.futures.wait([self.in_flight[1]])
+
+    def call(self, fn, *args):
+        """`fn(*args)` on the thread that runs the model, after the step in flight (the arrival driver's prefill)."""
+        return fn(*args)
+
+    def check_invariants(self) -> None:
+        """The step in flight is accounted for, not waited on (the worker touches no pool or scheduler state): its
+        requests are running or finished, and a running request has a placeholder exactly when its row samples."""
+        rows = self.in_flight[0].rows if self.in_flight is not None else []
+        for row in rows:
+            assert row.request.is_finished or row.request.status == RequestStatus.RUNNING, \
+                f"{row.request} is in flight but neither running nor finished"
+        pending = {row.request.request_id for row in rows if row.samples and not row.request.is_finished}
+        for r in self.engine.scheduler.running:
+            assert r.num_output_placeholders == (r.request_id in pending), f"{r}: a placeholder but no row in flight"
+
+    def shutdown(self) -> None:
+        pass
+
+
+class StepPipeline(EngineStep):
+    """Async scheduling: the step above, (a) to (e)."""
+
+    def __init__(self, engine: "LLMEngine"):
+        super().__init__(engine)
+        # CUDA: the current device is per thread (given the device, not the engine: the thread keeps its
+        # initializer, and an engine dropped without shutdown must still be collected). CPU: the thread's OpenMP
+        # team is its own, warmed as the first one (layers._warm_vml: a first threaded vector-math call can be off).
+        init = functools.partial(torch.cuda.set_device, engine.device) if engine.device.type == "cuda" else _warm_vml
+        # One thread for the engine's life, started at the first submit; a step that raises there is its future's
+        # exception (StepPipeline.step fails its rows), so the thread never dies with it.
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "pdserve-forward", initializer=init)
+        self.num_overlapped = 0  # schedules made while a step was in flight (tests see that the mode is on)
+        if engine.device.type == "cpu":
+            release_thread_pool()  # the model's parallel regions run on the worker's pool alone (openmp.py)
+
+    def step(self) -> list[RequestOutput]:
+        eng = self.engine
+        outputs = self._poll_transfers()
+        flight = self.in_flight
+        self.num_overlapped += flight is not None
+        out = self._schedule()  # (with the step in flight known to wait())
+        self.in_flight = None
+        updated, lps = [], {}
+        if flight is not None:
+            landed, future = flight
+            try:
+                result = future.result()
+            except Exception as e:
+                outputs += self._failed(landed, e)
+            else:
+                updated, lps = self._land(landed, result, in_flight=True)
+        out.rows = [row for row in out.rows if not row.request.is_finished]  # their blocks are freed already
+        if not out.rows and flight is None:
+            return self._idle(outputs)
+        error = self._launch(out) if out.rows else None
+        outputs += eng.output_processor.process(updated, lps)
+        # a step that could not start fails its requests after their landed tokens went out
+        return outputs + (self._failed(out, error) if error is not None else [])
+
+    def _launch(self, out: SchedulerOutput) -> Optional[Exception]:
+        eng = self.engine
+        self._started(out)
+        try:
+            prepared = eng.runner.prepare(out.rows, eng.kv.block_table)
+        except Exception as e:
+            return e
+        eng.scheduler.mark_in_flight(out)
+        # The engine thread waits until the forward and the LM head are enqueued (on CPU: have run; or the step
+        # ended): its Python work would otherwise hold the GIL their launches need, for up to a switch interval
+        # (5 ms) each, and the device would wait for the host work it should hide. Sampling overlaps (e).
+        launched = threading.Event()
+        prepared.launched = launched.set
+        future = self._worker.submit(eng.runner.run, prepared)
+        future.add_done_callback(lambda _: launched.set())
+        launched.wait()
+        self.in_flight = (out, future)
+        return None
+
+    def call(self, fn, *args):
+        return self._worker.submit(fn, *args).result()  # after the step in flight: one thread, in order
+
+    def shutdown(self) -> None:
+        self.wait()
+        self.in_flight = None  # its outputs go with the engine
+        self._worker.shutdown(wait=True)

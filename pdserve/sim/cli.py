@@ -104,6 +104,9 @@ def _engine_kwargs(args, sections=ENGINE_SECTIONS) -> dict:
     if args.cudagraph_metrics:
         raise ValueError("--cudagraph-metrics: a simulated run's graph counts are in its result JSON (graph, and "
                          "per node under sim.nodes)")
+    if SchedulerConfig in sections and args.async_scheduling is not None:  # plan takes no scheduler flags
+        raise ValueError("--async-scheduling / --no-async-scheduling: a simulated node steps one step after another; "
+                         "an overlap shows only in the step times the profile was measured with")
     names = {f.name for cls in sections for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["max_model_len"] = args.max_model_len

@@ -76,6 +76,8 @@ def test_empty_and_missing_traces(tmp_path, capsys, profile):
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: a simulated node's KV cache"),
     (["--cudagraph-metrics"], "--cudagraph-metrics: a simulated run's graph counts"),
+    (["--async-scheduling"], "--async-scheduling / --no-async-scheduling: a simulated node steps"),
+    (["--no-async-scheduling"], "--async-scheduling / --no-async-scheduling: a simulated node steps"),
     (["--num-gpu-blocks-override", "4", "--max-model-len", "1024"], "cannot hold one max_model_len (1024)"),
 ])
 def test_bad_flags_are_named(tmp_path, capsys, profile, argv, named):

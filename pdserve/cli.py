@@ -59,11 +59,8 @@ def _engine_kwargs(args) -> dict:
     from pdserve.config import engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     if args.speculative_config is not None:
-        try:
-            from pdserve.spec_decode.config import SpeculativeConfig
-            kw["speculative_config"] = SpeculativeConfig.from_json(args.speculative_config)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+        from pdserve.spec_decode.config import SpeculativeConfig
+        kw["speculative_config"] = SpeculativeConfig.from_flag(args.speculative_config)
     return kw
 
 

@@ -90,10 +90,7 @@ def _parse(args) -> tuple[list[str], list[float]]:
                          "(pip install vllm-router==0.1.17)")
     if args.speculative_config is not None:
         from pdserve.spec_decode.config import SpeculativeConfig
-        try:
-            SpeculativeConfig.from_json(args.speculative_config)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+        SpeculativeConfig.from_flag(args.speculative_config)
     try:
         args.server_args = shlex.split(args.server_args)
     except ValueError as e:

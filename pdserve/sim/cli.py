@@ -117,10 +117,7 @@ def _engine_config(args) -> EngineConfig:
     kw = _engine_kwargs(args)
     if args.speculative_config is not None:
         from pdserve.spec_decode.config import SpeculativeConfig
-        try:
-            kw["speculative_config"] = SpeculativeConfig.from_json(args.speculative_config)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+        kw["speculative_config"] = SpeculativeConfig.from_flag(args.speculative_config)
     return EngineConfig.from_kwargs("sim", device="cpu", **kw)
 
 

@@ -134,5 +134,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
+    @classmethod
+    def from_flag(cls, s: str) -> "SpeculativeConfig":
+        """`--speculative-config JSON` as the CLIs take it: a refusal names the flag."""
+        try:
+            return cls.from_json(s)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

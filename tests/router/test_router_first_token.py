@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from pdserve.router.app import Router, build_app
 from pdserve.router.first_token import FirstToken, Splice
+from tests.router.test_router_failures import Broken
 
 P, D1, D2 = "http://p.test", "http://d1.test", "http://d2.test"
 PARAMS = {"do_remote_prefill": True, "transfer_id": "t1", "kv_proof": "x", "first_token": {"id": 5}}
@@ -43,16 +44,6 @@ def p_answer(text="Hel", chat=False, fr="length", params=PARAMS, lp=None, ids=No
     if params is not None:
         body["kv_transfer_params"] = params
     return body
-
-
-class Broken(httpx.AsyncByteStream):
-    def __init__(self, first: list[bytes]):
-        self.first = first
-
-    async def __aiter__(self):
-        for c in self.first:
-            yield c
-        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
 
 
 class Nodes:

@@ -102,6 +102,7 @@ SAMPLING = {
     "seeded-topk-logprobs": dict(temperature=1.2, top_k=20, seed=7, logprobs=3),
     "penalties": dict(temperature=0.8, seed=3, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3),
     "min-tokens": dict(temperature=0, min_tokens=5),
+    "bad-words-bias": dict(temperature=0.7, seed=21, bad_words=["fib", " n"], logit_bias={10: 2.0, 11: -3.0}),
 }
 
 

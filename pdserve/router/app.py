@@ -65,7 +65,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.first_token import FirstToken, Splice
 from pdserve.router.nodes import Fleet, Node, error_of
-from pdserve.router.relay import DONE, error, relay_answer
+from pdserve.router.relay import DONE, error, reason, relay_answer
 from pdserve.router.timing import TtftSplit
 from pdserve.serve.body import read_body
 from pdserve.serve.errors import APIError
@@ -132,7 +132,8 @@ class Router(Fleet):
             try:
                 r = await self.client.post(node.url + path, json=p_body, headers=headers)
             except httpx.HTTPError as e:
-                logger.warning("[%s] prefill node %s failed: %s; trying another", headers["X-Request-Id"], node.url, e)
+                logger.warning("[%s] prefill node %s failed: %s; trying another", headers["X-Request-Id"], node.url,
+                               reason(e))
                 continue
             finally:
                 node.in_flight -= 1
@@ -278,8 +279,10 @@ class Router(Fleet):
             upstream = sending.result()
         except httpx.HTTPError as e:
             node.in_flight -= 1
-            self._release(p_node, d_body, rid, f"decode node {node.url} failed: {e}")
-            return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
+            why = f"decode node {node.url} failed: {reason(e)}"
+            logger.warning("[%s] %s: answered 502", rid, why)
+            self._release(p_node, d_body, rid, why)
+            return error(502, why, "bad_gateway")
         if upstream.status_code != 200:
             self._release(p_node, d_body, rid, f"decode node {node.url} answered {upstream.status_code}")
         if upstream.status_code == 400 and params:
@@ -330,7 +333,7 @@ class Router(Fleet):
                             yield splice.feed(b"\n\n")
                         return
                 except httpx.HTTPError as e:
-                    why = f"decode node {node.url} failed: {e}"
+                    why = f"decode node {node.url} failed: {reason(e)}"
                     if splice.sent_tokens:
                         break
                     logger.warning("[%s] %s before its first token; trying another decode node", rid, why)
@@ -394,7 +397,8 @@ def build_app(router: Router) -> FastAPI:
         except APIError as e:  # the body's limit, as on the generation routes
             return error(e.status, e.message) if e.status != 499 else Response(status_code=499)
         except httpx.HTTPError as e:
-            return error(502, f"decode node {node.url} failed: {e}", "bad_gateway")
+            logger.warning("decode node %s failed on %s: %s: answered 502", node.url, path, reason(e))
+            return error(502, f"decode node {node.url} failed: {reason(e)}", "bad_gateway")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type", "application/json"))
 
     def relayed(path: str):

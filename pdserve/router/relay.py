@@ -22,8 +22,15 @@ logger = logging.getLogger("pdserve.router")
 DONE = b"data: [DONE]\n\n"
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None) -> JSONResponse:
+    """OpenAI's error shape, as the nodes answer it: `param` names the field at fault (None: none is)."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+def reason(e: BaseException) -> str:
+    """An exception as a log line or error message can say it: httpx's resets and timeouts often have no text."""
+    return str(e) or type(e).__name__
 
 
 async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
@@ -35,8 +42,8 @@ async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
         try:
             content = await upstream.aread()
         except httpx.HTTPError as e:
-            logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, e)
-            return error(502, f"decode node {node.url} broke off its answer: {e}", "bad_gateway")
+            logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, reason(e))
+            return error(502, f"decode node {node.url} broke off its answer: {reason(e)}", "bad_gateway")
         finally:
             node.in_flight -= 1
             await upstream.aclose()
@@ -61,10 +68,10 @@ async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
                 tail = (tail + chunk)[-16:]
                 yield chunk
         except httpx.HTTPError as e:  # the headers are out: end the stream cleanly
-            logger.warning("[%s] decode node %s broke off its stream: %s", rid, node.url, e)
+            logger.warning("[%s] decode node %s broke off its stream: %s", rid, node.url, reason(e))
             if not tail.endswith(DONE):
-                err = {"message": f"decode node {node.url} broke off its answer: {e}", "type": "bad_gateway",
-                       "code": 502}
+                err = {"message": f"decode node {node.url} broke off its answer: {reason(e)}", "type": "bad_gateway",
+                       "param": None, "code": 502}
                 # a chunk may end inside an event: close it first, so the error event parses on its own
                 event = f"data: {json.dumps({'error': err})}\n\n".encode()
                 yield (b"" if tail.endswith(b"\n\n") else b"\n\n") + event + DONE

@@ -237,3 +237,22 @@ def test_a_client_gone_before_its_body_is_in_is_a_499_and_reaches_no_node():
         res = c.portal.call(lambda: asgi(c.app, "POST", "/v1/completions", chunks=[part], truncated=True,
                                          disconnect_after=0.0))
     assert res["status"] == 499 and nodes.calls == []
+
+
+def test_a_decode_node_reset_without_a_reason_is_a_named_502_with_a_warning(caplog):
+    """Issue 37 item 10: a kept-alive connection D resets before any byte raises an httpx error with no text; the
+    client's 502 still names what failed, the body has OpenAI's `param`, and the router logs a WARNING."""
+    nodes = Nodes({P1: ok_p}, ok_d)
+    inner = nodes.__call__
+
+    def transport(request):
+        if request.url.host == "d.test" and request.url.path.startswith("/v1/"):
+            raise httpx.ReadError("", request=request)
+        return inner(request)
+    router = Router([P1], [D], "round-robin", health_interval=3600)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+    with caplog.at_level("WARNING", logger="pdserve.router"), TestClient(build_app(router)) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello there"})
+    err = r.json()["error"]
+    assert r.status_code == 502 and err["message"].endswith("failed: ReadError") and "param" in err, err
+    assert any("answered 502" in rec.getMessage() and rec.levelname == "WARNING" for rec in caplog.records)

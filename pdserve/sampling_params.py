@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
@@ -230,8 +232,6 @@ class SamplingParams:
         may send P other params (vllm-router sends max_tokens 1, no stops). EOS and the stop ids count only while
         min_tokens masks them (vllm-router sends P min_tokens 1: with ignore_eos and no stop ids that masks nothing);
         max_tokens and stop strings decide when to stop, not what is drawn."""
-        import hashlib
-        import json
         masks = self.min_tokens > 0
         banned = [sorted(self.stop_token_ids), not self.ignore_eos] if masks else [[], False]
         key = [self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.presence_penalty,

@@ -69,6 +69,7 @@ from pdserve.router.relay import DONE, error, reason, relay_answer
 from pdserve.router.timing import TtftSplit
 from pdserve.serve.body import read_body
 from pdserve.serve.errors import APIError
+from pdserve.serve.responses import sse
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
 from pdserve.transfer.channel.proof import NOT_VERIFIED
 
@@ -340,8 +341,7 @@ class Router(Fleet):
                 finally:
                     node.in_flight -= 1
             logger.warning("[%s] %s: the stream ends after the prefill node's first token", rid, why)
-            err = {"message": why, "type": "bad_gateway", "param": None, "code": 502}
-            yield f"data: {json.dumps({'error': err})}\n\n".encode() + DONE
+            yield sse({"error": {"message": why, "type": "bad_gateway", "param": None, "code": 502}}).encode() + DONE
         finally:
             if not taken:
                 self._release(p_node, d_body, rid, "no decode node took the first token's request")

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from pdserve.serve.responses import SSE_DONE, sse
+
 
 def _sse(obj) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+    return sse(obj).encode()  # the nodes' own encoding, so spliced chunks read as the node wrote them
 
 
 def _lp_len(lp) -> int:
@@ -70,7 +72,7 @@ class FirstToken:
         if final:
             if include_usage and a.get("usage") is not None:
                 out += _sse({**head, "choices": [], "usage": a["usage"]})
-            out += b"data: [DONE]\n\n"
+            out += SSE_DONE.encode()
         return out
 
 
@@ -98,7 +100,7 @@ class Splice:
             return event + b"\n\n" if raw else b""
         payload = raw[5:].strip()
         if payload == b"[DONE]":
-            return b"data: [DONE]\n\n"
+            return SSE_DONE.encode()
         try:
             obj = json.loads(payload)
         except ValueError:

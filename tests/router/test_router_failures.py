@@ -64,6 +64,18 @@ def routed(nodes: Nodes, prefill: list[str]):
     return client
 
 
+def d_raising(nodes: Nodes, exc: httpx.HTTPError, decode: list[str]) -> Router:
+    """A router whose requests to D (d.test) raise `exc` before any byte; every other call goes to `nodes`."""
+    def transport(request):
+        if request.url.host == "d.test" and request.url.path.startswith("/v1/"):
+            exc.request = request
+            raise exc
+        return nodes(request)
+    router = Router([P1], decode, "round-robin", health_interval=3600)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+    return router
+
+
 def ok_p(body):
     return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
 
@@ -172,14 +184,7 @@ def test_a_decode_node_that_refuses_the_connection_is_passed_over():
     goes to the next D (not a 502), and the refusing D is out of rotation until /health answers again."""
     D2 = "http://d2.test"
     nodes = Nodes({P1: ok_p}, ok_d)
-    inner = nodes.__call__
-
-    def transport(request):
-        if request.url.host == "d.test" and request.url.path.startswith("/v1/"):
-            raise httpx.ConnectError("All connection attempts failed", request=request)
-        return inner(request)
-    router = Router([P1], [D, D2], "round-robin", health_interval=3600)
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+    router = d_raising(nodes, httpx.ConnectError("All connection attempts failed"), [D, D2])
     with TestClient(build_app(router)) as c:
         for _ in range(3):
             r = c.post("/v1/completions", json={"prompt": "hello there"})
@@ -242,15 +247,7 @@ def test_a_client_gone_before_its_body_is_in_is_a_499_and_reaches_no_node():
 def test_a_decode_node_reset_without_a_reason_is_a_named_502_with_a_warning(caplog):
     """Issue 37 item 10: a kept-alive connection D resets before any byte raises an httpx error with no text; the
     client's 502 still names what failed, the body has OpenAI's `param`, and the router logs a WARNING."""
-    nodes = Nodes({P1: ok_p}, ok_d)
-    inner = nodes.__call__
-
-    def transport(request):
-        if request.url.host == "d.test" and request.url.path.startswith("/v1/"):
-            raise httpx.ReadError("", request=request)
-        return inner(request)
-    router = Router([P1], [D], "round-robin", health_interval=3600)
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+    router = d_raising(Nodes({P1: ok_p}, ok_d), httpx.ReadError(""), [D])
     with caplog.at_level("WARNING", logger="pdserve.router"), TestClient(build_app(router)) as c:
         r = c.post("/v1/completions", json={"prompt": "hello there"})
     err = r.json()["error"]

@@ -163,6 +163,7 @@ class LLMEngine:
         self.validate_prompt(token_ids, params)
         if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
             raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
+        kv_transfer_params, resumed = self._resumed_tokens(kv_transfer_params, len(token_ids), params)
         if kv_transfer_params is not None:
             kv_transfer_params = self.gateway.check(kv_transfer_params, token_ids)
         if request_id is None:
@@ -176,7 +177,31 @@ class LLMEngine:
             "do_remote_prefill") else None
         if first is not None:
             self._take_first_token(req, first)
+        for tok in resumed:
+            req.append_output_token(tok)
         return req
+
+    def _resumed_tokens(self, kv_transfer_params: Optional[dict], num_prompt: int,
+                        params: SamplingParams) -> tuple[Optional[dict], list[int]]:
+        """A stream resumed here after its node failed (the router's migration): `resume_token_ids` in the params
+        are the tokens the client already has. They become the request's first outputs, as if sampled here: the
+        prompt and they are prefilled locally, penalties, min_tokens, max_tokens and stop strings count them, and
+        a seeded stream skips their draws. (params without the field, the ids) -- ValueError: the client's fault."""
+        if not isinstance(kv_transfer_params, dict) or "resume_token_ids" not in kv_transfer_params:
+            return kv_transfer_params, []
+        rest = {k: v for k, v in kv_transfer_params.items() if k != "resume_token_ids"}
+        ids = kv_transfer_params["resume_token_ids"]
+        where = "kv_transfer_params.resume_token_ids"
+        if not isinstance(ids, list) or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <
+                                            self.vocab_size for t in ids):
+            raise ValueError(f"{where}: must be a list of token ids in [0, {self.vocab_size})")
+        if rest.get("do_remote_prefill") or rest.get("do_remote_decode"):
+            raise ValueError(f"{where}: a resumed request is prefilled here, not served P/D")
+        cap = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if len(ids) >= cap or num_prompt + len(ids) >= self.max_model_len:
+            raise ValueError(f"{where}: {len(ids)} tokens leave no room for another (max_tokens {cap}, prompt "
+                             f"{num_prompt} of max_model_len {self.max_model_len})")
+        return rest or None, ids
 
     def _take_first_token(self, req: Request, first) -> None:
         """D: the first token P sampled (in params P signed) becomes the request's first output, as if sampled here:
@@ -203,24 +228,25 @@ class LLMEngine:
             if self.scheduler.requests.get(req.request_id) is not req:  # not taken: it will make no output
                 self.output_processor.drop(req.request_id)
             raise
-        if req.num_output_tokens:  # D: P's first token goes out now, stopping the request if it stops it
+        if req.num_output_tokens:  # P's first token (D) or a resumed stream's tokens go out now
             self._admitted += self._first_output(req)
         return req
 
     def _first_output(self, req: Request) -> list[RequestOutput]:
-        """D: the output of P's first token, through the same stops (EOS, stop ids, length, stop strings) and
-        output state as a token sampled here; one that ends the request ends it before any load (P's lease is
-        released)."""
+        """The output of the tokens a request arrives with (P's first token, a resumed stream's), through the same
+        stops (EOS, stop ids, length, stop strings) and output state as tokens sampled here; tokens that end the
+        request end it before any load (P's lease is released). Resumed tokens carry no logprobs: the client has
+        them from the node that sampled them."""
         first = self._first_token_logprobs(req)
-        req.num_new_tokens = 1
-        status = self.scheduler.check_stop(req, req.output_token_ids[0])
+        req.num_new_tokens = req.num_output_tokens
+        status = self.scheduler.check_stop(req, req.output_token_ids[-1])
         if status is not None:
             self.scheduler.finish_request(req.request_id, status)
         return self.output_processor.process([req], {req.request_id: first} if first is not None else {})
 
     @staticmethod
     def _first_token_logprobs(req: Request) -> Optional[dict]:
-        if req.sampling_params.logprobs is None:
+        if req.sampling_params.logprobs is None or "first_token" not in (req.kv_transfer_params or {}):
             return None
         entries = req.kv_transfer_params["first_token"].get("logprobs") or []
         return {int(t): Logprob(float(v), int(r)) for t, v, r in entries}

@@ -17,10 +17,13 @@ Lifecycle of a request:
    returned them, with P's own proof (D checks it; the router holds no KV token); a D that refuses the
    connection (down since the last health check) is taken out of rotation and the next D is tried; a P answer
    without params (nothing to hand over) sends the original request to D alone, which prefills it locally;
-4. D's response, streamed or not, goes back to the client unchanged; but D refusing P's params (a 400 on
-   kv_transfer_params) is a deployment error, not the client's: the client gets a 502 naming it, and a proof that
-   does not verify takes that P/D pair out of rotation (P and D hold different KV tokens); a D that breaks off
-   a stream it began ends it with an error event and `[DONE]`;
+4. D's response, streamed or not, goes back to the client (a stream of one choice through router/splice.py,
+   which follows its token ids); but D refusing P's params (a 400 on kv_transfer_params) is a deployment error,
+   not the client's: the client gets a 502 naming it, and a proof that does not verify takes that P/D pair out
+   of rotation (P and D hold different KV tokens); a D that resets the connection before answering is asked
+   again (another D, or once more), and a D that breaks off an answer it began is migrated: the stream resumes
+   on another node from the tokens the client has, a whole answer is asked again (router/migration.py,
+   `--max-migrations`); past the limit a stream ends with an error event and `[DONE]`;
 5. params no D took end their lease on P at once: when no D is left, D cannot be reached, D answers anything but
    200 (D also releases what it refuses itself; the two are idempotent), D answers 200 but says it took none of
    the KV (`X-PD-KV-Unused`: it prefilled locally, e.g. over a KV link TLS breaks, which its own `done` would
@@ -30,7 +33,7 @@ Lifecycle of a request:
 With `--pd-first-token prefill` (docs/pd.md) step 2 sends P the client's own params with `first_token` asked; a
 P answer without params is then the whole answer (its token ended the request: D is not asked); otherwise a
 streamed request gets P's token at once and D's stream after it, spliced (router/first_token.py), and a D that
-fails before a token of its own is replaced (`_stream_after_first`).
+fails before a token of its own is replaced by another with the same params (router/migration.py).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
 answers again. With it, each P's probe (`GET /v1/kv/probe`, signed with P's KV token) goes to each D (`POST
 /v1/kv/probe`): a pair whose probe does not verify is out of rotation, with a log line, until it does.
@@ -60,16 +63,18 @@ from typing import Optional
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.router.first_token import FirstToken, Splice
+from pdserve.router.first_token import FirstToken
+from pdserve.router.migration import MAX_MIGRATIONS, Attempt, Migrator, asks_prompt_logprobs, is_reset, migrates
 from pdserve.router.nodes import Fleet, Node, error_of
-from pdserve.router.relay import DONE, error, reason, relay_answer
+from pdserve.router.relay import error, reason, relay_answer
+from pdserve.router.splice import Splice
 from pdserve.router.timing import TtftSplit
 from pdserve.serve.body import read_body
 from pdserve.serve.errors import APIError
-from pdserve.serve.responses import sse
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
 from pdserve.transfer.channel.proof import NOT_VERIFIED
 
@@ -77,13 +82,6 @@ logger = logging.getLogger("pdserve.router")
 STOP_FIELDS = ("stop", "stop_token_ids", "min_tokens", "stream_options", "max_completion_tokens")
 MAX_BODY_BYTES = 16 * 2 ** 20  # as `pdserve serve`'s
 PD_REFUSAL_HOLD = 30.0  # s a P that refused the P/D prefill itself is passed over while another P is left
-
-
-def _asks_prompt_logprobs(body: dict) -> bool:
-    """prompt_logprobs, or echo with completions' logprobs (an int) or chat's top_logprobs, as the nodes read them."""
-    lp = body.get("logprobs")
-    return body.get("prompt_logprobs") is not None or body.get("echo") is True and (
-        isinstance(lp, int) and not isinstance(lp, bool) or body.get("top_logprobs") is not None)
 
 
 def _include_usage(body: dict) -> bool:
@@ -101,13 +99,14 @@ class Router(Fleet):
     max_body_bytes = MAX_BODY_BYTES  # --max-body-bytes: bodies are read as they stream in, up to this
 
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
-                 timeout: float = 600.0, pd_first_token: str = "replay"):
+                 timeout: float = 600.0, pd_first_token: str = "replay", max_migrations: int = MAX_MIGRATIONS):
         super().__init__(prefill, decode, policy, health_interval, timeout)
         self.pd_first_token = pd_first_token  # "prefill": P samples the first token, streamed to the client at once
         self.registry = CollectorRegistry()
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*, as a server's
             self.registry.register(c)
         self.ttft = TtftSplit(self.registry)
+        self.migrator = Migrator(self, self.registry, max_migrations)  # answers moved off a failed node
         self._releases: set[asyncio.Task] = set()
 
 
@@ -119,6 +118,8 @@ class Router(Fleet):
         if self.pd_first_token == "prefill":  # the client's own params: P's token is the answer's first
             p_body = {k: v for k, v in body.items() if k != "stream_options"}
             p_body.update(stream=False, kv_transfer_params={"do_remote_decode": True, "first_token": True})
+            if self.migrator.tracks(body):
+                p_body["return_token_ids"] = True  # the first token's id: where a resumed stream starts
         else:
             p_body = {k: v for k, v in body.items() if k not in STOP_FIELDS}
             p_body.update(max_tokens=1, stream=False, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
@@ -215,7 +216,7 @@ class Router(Fleet):
         skip_p = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
             (isinstance(n, int) and not isinstance(n, bool) and n > 1) or \
             (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))) or \
-            _asks_prompt_logprobs(body)
+            asks_prompt_logprobs(body)
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:
@@ -228,24 +229,36 @@ class Router(Fleet):
             d_body = dict(body)
             if params:
                 d_body["kv_transfer_params"] = params  # verbatim: P's proof covers them
+            if self.migrator.tracks(body):
+                d_body["return_token_ids"] = True  # where the stream stands, should it need resuming
             if gone.done():  # the client left while P prefilled: no D will take these params
                 self._release(p_node, d_body, rid, "the client went away")
                 return Response(status_code=499)
-            first = FirstToken(p_answer) if self.pd_first_token == "prefill" and p_answer is not None else None
+            first = FirstToken(p_answer, show_ids=bool(body.get("return_token_ids"))) \
+                if self.pd_first_token == "prefill" and p_answer is not None else None
             if first is not None and not params:  # P's token ended the request: P's answer is all of it
                 self.ttft.observe(t_d - t0, p_round_trip, p_timing, {}, False, from_prefill=True)
                 if body.get("stream"):
                     return StreamingResponse(iter([first.chunks(True, _include_usage(body))]),
                                              media_type="text/event-stream", headers={"X-Request-Id": rid})
+                if not body.get("return_token_ids"):
+                    for c in p_answer.get("choices") or ():
+                        c.pop("token_ids", None)
+                    p_answer.pop("prompt_token_ids", None)
                 return JSONResponse(p_answer, headers={"X-Request-Id": rid})
             if first is not None and body.get("stream"):
                 self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, {}, False, from_prefill=True)
-                return StreamingResponse(self._stream_after_first(path, d_body, headers, p_node, first,
-                                                                  _include_usage(body)),
-                                         media_type="text/event-stream", headers={"X-Request-Id": rid})
+                return StreamingResponse(
+                    self.migrator.stream(path, body, d_body, headers, p_node,
+                                         first.splice(hold_errors=self.migrator.tracks(body)), Attempt(),
+                                         prefix=first.chunks(False, _include_usage(body)),
+                                         release=lambda why: self._release(p_node, d_body, rid, why)),
+                    media_type="text/event-stream", headers={"X-Request-Id": rid})
             tried: tuple = ()
+            reset_once = None  # a D that reset a kept-alive connection: asked once more when no other D is left
             while True:
-                node = self.decode_for(p_node if params else None, tried)
+                node = self.decode_for(p_node if params else None, tried) or reset_once
+                reset_once = None
                 if node is None:
                     self._release(p_node, d_body, rid, "no healthy decode node")
                     return error(503, "no healthy decode node", "service_unavailable")
@@ -253,14 +266,23 @@ class Router(Fleet):
                 req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
                 sending = asyncio.ensure_future(self.client.send(req, stream=True))
                 await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not (sending.done() and isinstance(sending.exception(), httpx.ConnectError)):
+                failed = sending.exception() if sending.done() else None
+                if isinstance(failed, httpx.ConnectError):
+                    # nothing reached that D (it went down since the last health check): out of rotation until it
+                    # answers /health again, and the request goes to another
+                    node.in_flight -= 1
+                    node.healthy, sending, tried = False, None, tried + (node,)
+                    logger.warning("[%s] decode node %s refused the connection: out of rotation; trying another",
+                                   rid, node.url)
+                    continue
+                if not is_reset(failed) or node in tried:
                     break
-                # nothing reached that D (it went down since the last health check): out of rotation until it
-                # answers /health again, and the request goes to another
+                # reset before any byte of an answer (a kept-alive connection the node closed, e.g. after a stall
+                # past its keep-alive): nothing reached the client, so another D is asked, or this one once more
                 node.in_flight -= 1
-                node.healthy, sending, tried = False, None, tried + (node,)
-                logger.warning("[%s] decode node %s refused the connection: out of rotation; trying another", rid,
-                               node.url)
+                sending, tried, reset_once = None, tried + (node,), node
+                logger.warning("[%s] decode node %s reset the connection before answering (%s); trying again", rid,
+                               node.url, reason(failed))
         except asyncio.CancelledError:  # the router is shutting down
             if sending is not None:
                 sending.cancel()
@@ -302,49 +324,18 @@ class Router(Fleet):
             self.ttft.observe(t_d - t0 + d_timing["ttft"], p_round_trip, p_timing, d_timing, bool(params))
         on_first = (lambda: self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, d_timing,
                                               bool(params))) if ok else None
-        return await relay_answer(upstream, node, rid, on_first)
-
-    async def _stream_after_first(self, path: str, d_body: dict, headers: dict, p_node: Node, first: FirstToken,
-                                  include_usage: bool):
-        """P's first token at once, then D's stream without it. A D that fails before sending a token of its own is
-        replaced by another with the same params (P's lease may still be held); after one, or with no D left, the
-        stream ends with an error event: a token is never sent twice. Params no D took end their lease on P."""
-        rid = headers["X-Request-Id"]
-        yield first.chunks(False, include_usage)
-        splice, tried, taken = Splice(first), (), False
-        why = "no healthy decode node"
-        try:
-            while (node := self.decode_for(p_node, tried)) is not None:
-                tried += (node,)
-                node.in_flight += 1
-                try:
-                    async with self.client.stream("POST", node.url + path, json=d_body, headers=headers) as up:
-                        if up.status_code != 200:
-                            body = (await up.aread())[:300].decode(errors="replace")
-                            why = f"decode node {node.url} answered {up.status_code}: {body}"
-                            if up.status_code < 500:  # the same params would be refused by any D
-                                break
-                            continue
-                        taken = not up.headers.get(KV_UNUSED_HEADER)
-                        async for chunk in up.aiter_raw():
-                            out = splice.feed(chunk)
-                            if out:
-                                yield out
-                        if splice.buf.strip():
-                            yield splice.feed(b"\n\n")
-                        return
-                except httpx.HTTPError as e:
-                    why = f"decode node {node.url} failed: {reason(e)}"
-                    if splice.sent_tokens:
-                        break
-                    logger.warning("[%s] %s before its first token; trying another decode node", rid, why)
-                finally:
-                    node.in_flight -= 1
-            logger.warning("[%s] %s: the stream ends after the prefill node's first token", rid, why)
-            yield sse({"error": {"message": why, "type": "bad_gateway", "param": None, "code": 502}}).encode() + DONE
-        finally:
-            if not taken:
-                self._release(p_node, d_body, rid, "no decode node took the first token's request")
+        if ok and self.migrator.tracks(body) and "text/event-stream" in upstream.headers.get("content-type", ""):
+            attempt = Attempt(node, upstream)
+            splice = Splice(strip_ids=not body.get("return_token_ids"), hold_errors=True)
+            return StreamingResponse(self.migrator.stream(path, body, d_body, headers, p_node, splice, attempt,
+                                                          on_first),
+                                     media_type="text/event-stream", headers={"X-Request-Id": rid},
+                                     background=BackgroundTask(attempt.end))
+        on_break = None
+        if ok and self.migrator.max_migrations and migrates(body):
+            async def on_break(why: str) -> Response:
+                return await self.migrator.whole_again(path, body, headers, (node,), why)
+        return await relay_answer(upstream, node, rid, on_first, on_break)
 
     async def _refused(self, upstream: httpx.Response, p: Node, d: Node) -> Response:
         """D's 400 to a P/D request: on the params this router relayed unaltered it is a deployment error, answered

@@ -29,6 +29,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "samples the first token with the request's own params and the router streams it to the "
                         "client as soon as P answers; D imports all prompt KV and decodes from that token (lower "
                         "TTFT). A first token that ends the request is answered by P alone.")
+    p.add_argument("--max-migrations", type=int, default=_router.MAX_MIGRATIONS,
+                   help="How many times one request's answer may move to another node when its node fails "
+                        "(default: %(default)s). A stream broken off mid-way resumes on another decode node (or a "
+                        "prefill node) from the tokens the client already has: no token is repeated or lost, and "
+                        "greedy and seeded output equal an unbroken run; a whole answer is asked again. 0 turns "
+                        "migration off: a stream whose node fails then ends with an error event.")
     p.add_argument("--max-body-bytes", type=int, default=_router.MAX_BODY_BYTES,
                    help="Largest request body in bytes; a larger one is refused with 413 before it is read whole "
                         "or sent to a node (default: 16 MiB, as pdserve serve's).")
@@ -43,6 +49,8 @@ def check_router_args(args) -> None:
         raise ValueError("--host must not be empty (0.0.0.0 listens on every interface, if that is meant)")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 0 < args.health_interval < float("inf"):
@@ -77,7 +85,7 @@ def run_router(args) -> int:
     check_router_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval,
-                            pd_first_token=args.pd_first_token)
+                            pd_first_token=args.pd_first_token, max_migrations=args.max_migrations)
     router.max_body_bytes = args.max_body_bytes
     exit_cleanly_after_signals()  # as `pdserve serve`: 0 after a clean SIGTERM, not 143
     uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())

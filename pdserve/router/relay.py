@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,19 +34,22 @@ def reason(e: BaseException) -> str:
 
 
 async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
-                       on_first_chunk: Optional[Callable[[], None]]) -> Response:
+                       on_first_chunk: Optional[Callable[[], None]],
+                       on_break: Optional[Callable[[str], Awaitable[Response]]] = None) -> Response:
     """`upstream` is D's open answer (headers in, body not read); `on_first_chunk` runs when the first body chunk
-    of a stream goes out."""
+    of a stream goes out; `on_break(why)` answers a whole answer D broke off (default: a 502)."""
     media = upstream.headers.get("content-type", "application/json")
     if "text/event-stream" not in media:
         try:
             content = await upstream.aread()
         except httpx.HTTPError as e:
-            logger.warning("[%s] decode node %s broke off its answer: %s", rid, node.url, reason(e))
-            return error(502, f"decode node {node.url} broke off its answer: {reason(e)}", "bad_gateway")
-        finally:
+            why = f"decode node {node.url} broke off its answer: {reason(e)}"
+            logger.warning("[%s] %s", rid, why)
             node.in_flight -= 1
             await upstream.aclose()
+            return await on_break(why) if on_break is not None else error(502, why, "bad_gateway")
+        node.in_flight -= 1
+        await upstream.aclose()
         return Response(content, upstream.status_code, media_type=media, headers={"X-Request-Id": rid})
     released = False
     tail = b"\n\n"  # the stream's last bytes: where the events stand if D breaks off

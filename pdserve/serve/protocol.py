@@ -228,7 +228,8 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         # batch holds would let one request take over the queue that every client shares
         raise bad_request(f"n: {req.n} choices are more than this server runs at once (--max-num-seqs "
                           f"{info.max_num_seqs})", "n")
-    if req.kv_transfer_params is not None and not info.has_kv_connector:
+    if req.kv_transfer_params is not None and not info.has_kv_connector and \
+            set(req.kv_transfer_params) != {"resume_token_ids"}:  # a resume needs no transfer: any node serves it
         raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
                           "config to take part in P/D)", "kv_transfer_params")
     if kind == "completion":
@@ -289,6 +290,9 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         if len(prompts) > 1:
             raise bad_request(f"prompt: a batch of {len(prompts)} prompts is not served with kv_transfer_params "
                               "(P/D); send one request per prompt", "prompt")
+    if isinstance(kv_params, dict) and "resume_token_ids" in kv_params and logprobs is not None and not req.stream:
+        # a whole answer would lack the resumed tokens' logprobs (a resumed stream's client has them already)
+        raise bad_request("kv_transfer_params: resume_token_ids with logprobs only on a stream", "kv_transfer_params")
     for j, (ids, _) in enumerate(prompts):
         _check_context(len(ids), params, info, mt_name, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
     opts = req.stream_options or StreamOptions()

@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from pdserve.router.app import Router, build_app
-from pdserve.router.first_token import FirstToken, Splice
+from pdserve.router.first_token import FirstToken
 from tests.router.test_router_failures import Broken
 
 P, D1, D2 = "http://p.test", "http://d1.test", "http://d2.test"
@@ -59,8 +59,11 @@ class Nodes:
         if request.url.path == "/v1/kv/release":
             return httpx.Response(200, json={})
         if url == P:
-            return httpx.Response(200, json=self.p(body))
+            r = self.p(body)
+            return r if isinstance(r, httpx.Response) else httpx.Response(200, json=r)
         r = self.d[url]
+        if callable(r) and not isinstance(r, httpx.Response):  # answers by the body it gets
+            r = r(body)
         if isinstance(r, Exception):
             raise r
         return r
@@ -72,8 +75,9 @@ def stream_resp(*chunks: bytes, broken=False):
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=httpx.ByteStream(b"".join(chunks)))
 
 
-def routed(nodes: Nodes, decode=(D1,)):
-    router = Router([P], list(decode), "round-robin", health_interval=3600, pd_first_token="prefill")
+def routed(nodes: Nodes, decode=(D1,), mode="prefill", max_migrations=2):
+    router = Router([P], list(decode), "round-robin", health_interval=3600, pd_first_token=mode,
+                    max_migrations=max_migrations)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
     return TestClient(build_app(router))
 
@@ -156,9 +160,10 @@ def test_d_failing_before_its_own_token_is_replaced():
 
 
 def test_d_failing_after_a_token_of_its_own_ends_with_an_error_event():
+    """Without migration (tests/router/test_router_migration.py has it on)."""
     d1 = stream_resp(sse(chunk("Hel"), chunk("lo")), broken=True)
     nodes = Nodes(lambda b: p_answer("Hel"), {D1: d1, D2: stream_resp(sse(chunk("Hello"), b"[DONE]"))})
-    with routed(nodes, decode=(D1, D2)) as c:
+    with routed(nodes, decode=(D1, D2), max_migrations=0) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True})
     evs = events(r.text)
     assert text_of(evs) == "Hello"  # nothing repeated
@@ -176,8 +181,8 @@ def test_no_decode_node_takes_it_releases_p_and_ends_with_an_error():
 
 
 def test_splice_units():
-    s = Splice(FirstToken(p_answer("abc", lp={"tokens": ["abc"], "token_logprobs": [-1.0], "top_logprobs": [None],
-                                              "text_offset": [0]})))
+    s = FirstToken(p_answer("abc", lp={"tokens": ["abc"], "token_logprobs": [-1.0], "top_logprobs": [None],
+                                       "text_offset": [0]})).splice()
     lp = {"tokens": ["ab", "c", "d"], "token_logprobs": [-1, -2, -3], "top_logprobs": [None] * 3,
           "text_offset": [0, 2, 3]}
     raw = sse(chunk("abcd", lp=lp))

@@ -251,3 +251,28 @@ def test_abort_right_after_admission_makes_one_final_output(pd, col):
     while p.engine.scheduler.transfers.leased and time.monotonic() - t0 < 10:
         p.engine.step()  # D's bare `done` releases the lease
     assert_whole(p, d)
+
+
+@pytest.mark.parametrize("n", [2 * B, 3 * B - 1])
+def test_full_pool_on_d_waits_for_blocks(pd, col, qwen3_tiny, n):
+    """D's pool (4 usable blocks, max_model_len 4B) holds one first-token request (n prompt tokens + the first
+    token's slot = 3 blocks): the second waits for the first's blocks, not an error, and both equal collocated."""
+    p, _ = pd
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0), num_gpu_blocks_override=5,
+            **{**ENGINE, "max_model_len": 4 * B})
+    try:
+        prompts = [prompt_of(col, n), prompt_of(col, n)[1:] + [prompt_of(col, n)[0]]]
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        wants = [run_col(col, pr, sp)[0].outputs[0].token_ids for pr in prompts]
+        params = [prefill(p, pr, sp).kv_transfer_params for pr in prompts]
+        for i, (pr, par) in enumerate(zip(prompts, params)):
+            d.engine.add_request(pr, sp, request_id=f"full{i}", kv_transfer_params=par)
+        d.engine.step()
+        assert d.engine.kv.num_free_blocks() < 3  # the first holds three blocks: the second waits for them
+        got = drain(d)
+        assert [got[f"full{i}"].outputs[0].token_ids for i in range(2)] == wants
+        assert all(got[f"full{i}"].num_external_tokens + got[f"full{i}"].num_cached_tokens == n for i in range(2))
+        drain(p)
+        assert_whole(p, d)
+    finally:
+        d.engine.shutdown()

@@ -52,7 +52,12 @@ class Fleet:
         self.decode = Pool([Node(u.rstrip("/")) for u in decode], policy)
         self.bad_pairs: dict[tuple[str, str], str] = {}  # (P url, D url) -> why P's proofs fail on that D
         self.health_interval = health_interval
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        # No cap on connections: each in-flight stream holds one, and httpx's default cap (100) would queue the next
+        # client behind them. Idle ones close after 5 s, before a node's keep-alive (30 s) could close one under a
+        # request being written (a reset before any answer is retried anyway: app.py).
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                            keepalive_expiry=5.0))
 
     async def health_loop(self) -> None:
         while True:

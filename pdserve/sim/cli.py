@@ -77,6 +77,12 @@ def add_fleet_args(p: argparse.ArgumentParser):
                    help=f"XpYd: KV transfer bandwidth P -> D in GB/s (default: {DEFAULT_BANDWIDTH_GB_S}).")
     d.add_argument("--kv-latency-ms", type=float, default=DEFAULT_LATENCY_MS,
                    help=f"XpYd: fixed latency of one KV transfer in ms (default: {DEFAULT_LATENCY_MS}).")
+    d.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="XpYd: how long P holds a prefill's KV for D (kv_lease_seconds, default: 30). A request "
+                        "that waits on D past it is prefilled on D instead.")
+    d.add_argument("--kv-load-failure-rate", type=float, default=0.0,
+                   help="XpYd: the chance that a KV load fails (seeded by --seed); D then prefills the prompt itself "
+                        "(kv_load_failure_policy recompute) (default: 0).")
     d.add_argument("--spec-acceptance", type=float, default=0.5,
                    help="With --speculative-config: the chance that each draft token is accepted (drafts taken in "
                         "order until the first rejection), and that the stand-in model's next token repeats its "
@@ -159,7 +165,8 @@ def run_sim(args) -> int:
     dep = parse_deployment(args.deployment, args.nodes)
     if not 0 <= args.spec_acceptance <= 1:
         raise ValueError("--spec-acceptance must be in [0, 1]")
-    transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0)
+    transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0, args.kv_lease_seconds,
+                             args.kv_load_failure_rate)
     config = _engine_config(args)
     if args.trace is not None:
         trace = load_trace(args.trace)
@@ -218,7 +225,9 @@ def _summary_line(dep: str, rate: float, r: dict) -> str:
     return (f"[sim] {dep} @ {rate:g} req/s: {r['completed']} ok, {r['failed']} failed, median TTFT "
             f"{r['ttft_ms']['median']:.1f} ms, mean TPOT {r['tpot_ms']['mean']:.2f} ms, p99 ITL "
             f"{r['itl_ms']['p99']:.2f} ms, non-FULL {100 * g['non_full_share']:.1f}% "
-            f"(simulated in {r['sim']['wall_s']:.1f} s)")
+            + (f"({r['sim']['kv_failed_loads']} KV loads failed, {r['sim']['kv_expired_leases']} leases expired) "
+               if r["sim"].get("kv_failed_loads") or r["sim"].get("kv_expired_leases") else "")
+            + f"(simulated in {r['sim']['wall_s']:.1f} s)")
 
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
@@ -389,7 +398,8 @@ def run_plan(args) -> int:
             raise ValueError(f"--speculative-config: {e}") from None
         spec_base = {k: v for k, v in d.items() if k != "num_speculative_tokens"}
     profile = load_profile(args.profile)
-    transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0)
+    transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0, args.kv_lease_seconds,
+                             args.kv_load_failure_rate)
     base = _engine_kwargs(args, (CacheConfig, CompilationConfig))
     for c in cands:  # every candidate's config checked before the first run, an error naming the candidate
         try:

@@ -6,13 +6,18 @@ params naming the transfer, with P's first token when the router asked for it (`
 imports all n prompt tokens); D (`kv_consumer`) offers the n - 1 (or n) prompt tokens past its own prefix hit
 (`get_num_new_matched_tokens`), so `KVTransfers.start_load` allocates and parks the request in `loading`
 exactly as on a real D; its load completes at now + transfer time, reported by `get_finished` on D's first step at
-or after that time, and releases P's lease (D's `done` rides its last read, as TcpConnector's). Leases never
-expire here: a simulated D always pulls (lease expiry and failed loads are left to a later fidelity step).
+or after that time, and releases P's lease (D's `done` rides its last read, as TcpConnector's).
+
+What fails, as on a real pair: P's lease expires `lease_seconds` after P's answer (P frees the blocks at its first
+poll after that; a D whose request queued past it prefills locally: `KVTransfers.start_load`, and a load started on
+an expired lease fails at once); a started load fails with probability `load_failure_rate` (seeded), reported when
+it would have ended; a failed load is recomputed on D (`kv_load_failure_policy` recompute) and tells P `done`.
 """
 from __future__ import annotations
 
 import heapq
 import math
+import random
 from typing import Optional
 
 from pdserve.request import Request
@@ -20,15 +25,23 @@ from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector,
 
 
 class TransferModel:
-    """Seconds to move `num_bytes` of KV between two nodes: a fixed latency plus bytes over bandwidth."""
+    """Seconds to move `num_bytes` of KV between two nodes: a fixed latency plus bytes over bandwidth; how long P
+    holds a prefill's KV for D (`lease_seconds`, kv_lease_seconds) and how often a load fails."""
 
-    def __init__(self, bandwidth_bytes_s: float, latency_s: float):
+    def __init__(self, bandwidth_bytes_s: float, latency_s: float, lease_seconds: float = 30.0,
+                 load_failure_rate: float = 0.0):
         if not bandwidth_bytes_s > 0 or not math.isfinite(bandwidth_bytes_s):
             raise ValueError("--kv-bandwidth-gb-s must be a number > 0")
         if not 0 <= latency_s < math.inf:
             raise ValueError("--kv-latency-ms must be a number >= 0")
+        if not 0 < lease_seconds < math.inf:
+            raise ValueError("--kv-lease-seconds must be a number > 0")
+        if not 0 <= load_failure_rate <= 1:
+            raise ValueError("--kv-load-failure-rate must be in [0, 1]")
         self.bandwidth = bandwidth_bytes_s
         self.latency = latency_s
+        self.lease_seconds = lease_seconds
+        self.load_failure_rate = load_failure_rate
 
     def seconds(self, num_bytes: float) -> float:
         return self.latency + num_bytes / self.bandwidth
@@ -37,15 +50,19 @@ class TransferModel:
 class Fabric:
     """The producers' leases, by transfer id: where a D's load finds the P to release."""
 
-    def __init__(self, transfer: TransferModel, kv_bytes_per_token: float, block_size: int):
+    def __init__(self, transfer: TransferModel, kv_bytes_per_token: float, block_size: int, seed: int = 0):
         self.transfer = transfer
         self.block_bytes = kv_bytes_per_token * block_size
         self.producers: dict[str, "SimConnector"] = {}
         self.bytes_moved = 0.0
+        self.rng = random.Random(seed)  # which loads fail
+        self.failed_loads = 0  # loads that failed (the failure rate, or an expired lease)
+        self.expired_leases = 0  # leases P ended at their expiry, unread
 
     def release(self, params: dict) -> None:
+        """D's `done` (its last read, or a bare one): P frees the blocks at its next poll, unless the lease ended."""
         p = self.producers.get(params.get("remote_engine_id"))
-        if p is not None:
+        if p is not None and p.leases.pop(params["remote_request_id"], None) is not None:
             p.released.add(params["remote_request_id"])
 
 
@@ -55,8 +72,9 @@ class SimConnector(KVConnector):
         self.role, self.engine_id, self.fabric, self.block_size = role, engine_id, fabric, block_size
         self.now = 0.0  # the node sets it before each step: the simulator's clock
         self.queued: list[LoadJob] = []
-        self.inflight: list[tuple[float, str, dict]] = []  # heap of (done time, request id, params)
-        self.released: set[str] = set()  # P: leases D has finished reading
+        self.inflight: list[tuple[float, str, dict, str]] = []  # heap of (end time, request id, params, why failed)
+        self.released: set[str] = set()  # P: leases D has finished reading, or that expired
+        self.leases: dict[str, float] = {}  # P: open leases -> when they expire
         # D: request id -> [load started, load seen done], the engine's kv_load_start/end_time (its TTFT split)
         self.load_times: dict[str, list[float]] = {}
         self.open_leases = 0
@@ -74,7 +92,7 @@ class SimConnector(KVConnector):
         return m - num_local_computed
 
     def lease_time_left(self, req: Request) -> float:
-        return math.inf
+        return (req.kv_transfer_params or {}).get("lease_expires", math.inf) - self.now
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_local_computed: int) -> None:
         self.queued.append(load_job(req, block_ids, num_local_computed, self.block_size))
@@ -89,9 +107,11 @@ class SimConnector(KVConnector):
         if req.hands_off_first_token and not req.handed_off:
             return False, None  # P's first token ended the request: the engine ends the lease at once, D is not asked
         self.open_leases += 1
+        expires = self.now + self.fabric.transfer.lease_seconds
+        self.leases[req.request_id] = expires
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                   "remote_request_id": req.request_id, "remote_block_ids": list(block_ids),
-                  "num_prompt_tokens": req.num_prompt_tokens}
+                  "num_prompt_tokens": req.num_prompt_tokens, "lease_expires": expires}
         if req.hands_off_first_token:  # as the engine seals them: the token and the key of the params that drew it
             params["first_token"] = {"id": req.output_token_ids[0], "key": req.sampling_params.first_token_key()}
         return True, params
@@ -107,25 +127,39 @@ class SimConnector(KVConnector):
                 continue
             num_bytes = len(job.dst_blocks) * self.fabric.block_bytes
             self.load_times[job.request_id] = [self.now, math.nan]
-            self.fabric.bytes_moved += num_bytes
-            heapq.heappush(self.inflight, (self.now + self.fabric.transfer.seconds(num_bytes), job.request_id,
-                                           job.params))
+            fabric, ends = self.fabric, self.now + self.fabric.transfer.seconds(num_bytes)
+            why = ""
+            if job.params.get("lease_expires", math.inf) <= self.now:  # P answers the first read: no such lease
+                why, ends = "the prefill node's lease expired", self.now
+            elif fabric.transfer.load_failure_rate and fabric.rng.random() < fabric.transfer.load_failure_rate:
+                why = "simulated load failure"
+            else:
+                fabric.bytes_moved += num_bytes
+            heapq.heappush(self.inflight, (ends, job.request_id, job.params, why))
 
     def get_finished(self) -> FinishedTransfers:
         fin = FinishedTransfers()
         while self.inflight and self.inflight[0][0] <= self.now:
-            _, rid, params = heapq.heappop(self.inflight)
-            fin.done_recving.add(rid)
+            _, rid, params, why = heapq.heappop(self.inflight)
+            if why:
+                fin.failed[rid] = why
+                self.fabric.failed_loads += 1
+            else:
+                fin.done_recving.add(rid)
             self.load_times[rid][1] = self.now  # seen done at this poll, as the engine stamps it
-            self.fabric.release(params)
+            self.fabric.release(params)  # a failed load's bare `done` too
+        for rid in [rid for rid, t in self.leases.items() if t <= self.now]:  # P: expired, never read
+            del self.leases[rid]
+            self.released.add(rid)
+            self.fabric.expired_leases += 1
         if self.released:
             fin.done_sending, self.released = self.released, set()
             self.open_leases -= len(fin.done_sending)
         return fin
 
     def next_event(self) -> Optional[float]:
-        """When this connector next has something to report: the earliest load in flight."""
-        return self.inflight[0][0] if self.inflight else None
+        """When this connector next has something to report: the earliest load in flight, or lease expiry."""
+        return min(([self.inflight[0][0]] if self.inflight else []) + list(self.leases.values()), default=None)
 
     def has_pending(self) -> bool:
         return bool(self.inflight or self.released)

@@ -55,7 +55,8 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
     mml = max_model_len_for(config, profile)
     num_blocks = num_blocks_for(config, profile.model.kv_bytes_per_token, mml)
     device = profile.raw.get("device", "sim")
-    fabric = Fabric(transfer, profile.model.kv_bytes_per_token, config.cache.block_size) if dep.num_prefill else None
+    fabric = Fabric(transfer, profile.model.kv_bytes_per_token, config.cache.block_size, seed) \
+        if dep.num_prefill else None
 
     def node(name: str, role: Optional[str], i: int) -> SimNode:
         conn = SimConnector(role, name, fabric, config.cache.block_size) if role else None
@@ -111,6 +112,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "sim": {"deployment": dep.name, "router_policy": policy, "pd_first_token": pd_first_token,
                 "profile": profile.raw, "wall_s": wall,
                 "kv_bytes_transferred": fabric.bytes_moved if fabric else 0,
+                "kv_failed_loads": fabric.failed_loads if fabric else 0,
+                "kv_expired_leases": fabric.expired_leases if fabric else 0,
                 "nodes": [_node_stats(n, role) for role, ns in (("prefill", prefill), ("decode", decode)) for n in ns]},
     }
 

@@ -226,3 +226,5 @@ class Simulator:
                     view.finished, view.prompt = rec.end, None
         if node.has_work():
             self._wake(node, rec.end)
+        elif (nxt := node.next_transfer_event()) is not None:  # P: its leases' expiry, should D never read them
+            self._wake(node, max(nxt, rec.end))

@@ -28,11 +28,11 @@ from pdserve.model.loader import check_model_dir, read_json_file
 from pdserve.sampling_params import SamplingParams
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.body import DRAIN_SLACK, read_body
-from pdserve.serve.errors import APIError, install_error_handlers
+from pdserve.serve import json_body
+from pdserve.serve.errors import APIError, bad_request, install_error_handlers
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.serve.prompts import CHARS_PER_TOKEN, ModelInfo
-from pdserve.serve.protocol import parse_json_body
 from pdserve.serve.request_context import RequestContextMiddleware, configure_logging, exit_cleanly_after_signals
 from pdserve.serve.server_config import ServerConfig
 from pdserve.serve.serving import OpenAIServing
@@ -102,16 +102,21 @@ async def read_json(request: Request, limit: int) -> dict:
     """The body's JSON object; its size goes to `request.state.body_bytes` (offload.py picks a pool by it)."""
     body = await read_body(request, limit)
     request.state.body_bytes = len(body)
-    return parse_json_body(body)
+    data, why = await json_body.parse_off_loop(body)
+    if why is not None:
+        raise bad_request(why)
+    return data
 
 
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        json_body.start()
         watcher = asyncio.ensure_future(state.on_engine_ready(app.state.uvicorn_server))
         yield
         watcher.cancel()
+        json_body.stop()
         if state.drain is not None:  # a P keeps serving open KV leases after its last HTTP request ended
             await state.drain
         await state.engine.shutdown()

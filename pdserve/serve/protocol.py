@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -120,28 +119,6 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
     report_cached: bool = True  # usage names prefix-cache hits (not when P serves a router a request D redoes)
     echo_only: bool = False  # completions max_tokens 0 with echo: the answer is the prompt alone
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def parse_json_body(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request("request body is not valid JSON: nested too deeply") from None
-    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no tokenizer or response encoder takes; only a
-    # body holding a surrogate escape (pairs too) pays for the check
-    if _SURROGATE_ESCAPE.search(body):
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad_request("request body is not valid unicode: it holds a lone UTF-16 surrogate") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _validate(cls, data: dict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -307,3 +308,31 @@ def test_a_stream_goes_on_while_hostile_bodies_are_refused(qwen3_tiny):
     assert gap < 2.0, gap
     assert [s.status_code for s in statuses] == [413, 400, 400, 400], [s.text[:200] for s in statuses]
     assert [s.json()["error"]["param"] for s in statuses[1:]] == ["prompt", "prompt", "messages"]
+
+
+def test_a_dense_body_is_parsed_off_the_loop(srv):
+    """15 MiB of a 7.5M-value list: seconds of json.loads, which holds the GIL, so a thread would stall the loop as
+    much. It is parsed in a worker process (serve/json_body.py) and refused there for its values: the loop stays
+    free, and the 400 says why."""
+    c, _ = srv
+    raw = b'{"prompt": [' + b"0," * (15 << 19) + b'0], "max_tokens": 4}'
+    res, lag = post(c, "/v1/completions", raw)
+    assert "values, more than the" in error_of(res, 400)["message"]
+    assert lag < MAX_LAG, lag
+    served_still(c)
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "' + b"a" * (300 << 10) + b'"}', b'[1, 2]', b'{"a": ',
+                                 b'{"p": "\\ud800"}', b'{"p": "\\ud83d\\ude00' + b" " * (300 << 10) + b'"}',
+                                 b"[" * 100_000 + b"]" * 100_000])
+def test_a_body_parses_the_same_in_the_worker_and_here(raw):
+    """The worker's answer (big bodies) equals the in-process one (small bodies), dict or refusal alike."""
+    from pdserve.serve import json_body
+    raw += b" " * json_body.OFFLOAD_BYTES  # big enough for the worker
+    json_body.start()
+    try:
+        got = asyncio.run(json_body.parse_off_loop(raw))
+        assert json_body._pool.submit(json_body._worker_pid).result() != os.getpid()
+    finally:
+        json_body.stop()
+    assert got == json_body.parse(raw)

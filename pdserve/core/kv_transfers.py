@@ -43,7 +43,15 @@ class KVTransfers:
         self.deferred_free: dict[str, Request] = {}  # D: finished (or stood in for) while a load still writes
         self.held: dict[str, deque[str]] = {}  # D: request id -> stand-in ids of its overdue loads' blocks
 
+    def forgo_load(self, req: Request) -> None:
+        """D, before `req` is added: its producer no longer holds the KV (its lease check said so), so nothing is
+        loaded, watched or released for it here (the caller tells P `done`); it prefills locally, whatever the
+        failure policy (nothing failed: there was nothing left to load)."""
+        req.kv_load_tried = True
+
     def watch(self, req: Request) -> None:
+        if req.kv_load_tried:
+            return
         if self.connector is not None and (req.kv_transfer_params or {}).get("do_remote_prefill"):
             self.connector.watch_lease(req)  # kept alive while it queues, wherever it is in the queue
 

@@ -133,8 +133,9 @@ class EngineCore:
     def _on_stop(self, msg: Stop, batch: StepBatch) -> None:
         self._stop = True
 
-    def _add(self, msg: AddRequest, batch: StepBatch, req=None) -> None:
-        """`req`: the request made (and checked) when `msg` came in, after P answered the lease check."""
+    def _add(self, msg: AddRequest, batch: StepBatch, req=None, kv_gone: bool = False) -> None:
+        """`req`: the request made (and checked) when `msg` came in, after P answered the lease check; `kv_gone`:
+        P answered that it no longer holds the KV, so the request prefills here."""
         eng = self.engine
         rid, token_ids, params, arrival = msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time
         kv_params, salt = msg.kv_transfer_params, msg.cache_salt
@@ -145,6 +146,8 @@ class EngineCore:
                 if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
                     self._checks.submit(rid, req.kv_transfer_params, (msg, req))  # checked once, here
                     return
+            if kv_gone:
+                eng.scheduler.transfers.forgo_load(req)
             eng.add(req)
             if kv_params is None:
                 return
@@ -168,8 +171,13 @@ class EngineCore:
         if not wanted:  # aborted while P was asked
             self._release_remote(rid, kv_params)
         elif left is not None and left <= 0:
-            self._refuse(rid, kv_params, "kv_transfer_params expired: the prefill node no longer holds this KV (its "
-                         "lease ended, was released, or was used already); prefill the prompt again", batch)
+            # Authentic params whose KV P no longer holds (its lease expired while this node stalled, was released
+            # or used, or P restarted): not the client's fault, so served all the same, prefilled here as when P
+            # cannot be reached; D took none of P's KV (X-PD-KV-Unused) and P hears `done` (harmless if gone).
+            logger.info("the prefill node no longer holds this request's KV (lease ended, released or used): "
+                        "prefilling it here", extra={"request_id": rid})
+            self._release_remote(rid, kv_params)
+            self._add(msg, batch, req, kv_gone=True)
         else:
             self._add(msg, batch, req)
 

@@ -1,0 +1,83 @@
+"""Availability of P/D (issue 37): a lease gone before D admits the request is served by a local prefill, not a
+client error; a MultiConnector producer holds one lease per request, not one per child.
+
+P is an in-process engine over the tcp connector; D is the engine loop (serve/engine_core.py) on a thread, as the
+server's thread backend runs it, where the admission's lease check lives. Oracle: a collocated engine on the same
+weights; both block pools whole and no block orphaned at the end of every case."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.serve.engine_commands import AddRequest, GetKVInfo
+from pdserve.transfer.channel.proof import sign_params
+from tests.serve.test_failure_paths_engine_core import Loop
+from tests.server_harness import free_port
+from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, drain, expire_leases, prefill_on, producer
+
+SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def collocated(qwen3_tiny):
+    return [o.outputs[0].token_ids for o in LLM(qwen3_tiny, **ENGINE).generate(PROMPTS[:4], SP, use_tqdm=False)]
+
+
+def d_loop(model, **kv) -> Loop:
+    """D's engine loop on a thread (the thread backend's), with a tcp consumer."""
+    return Loop(EngineConfig.from_kwargs(model, **ENGINE, kv_transfer_config={
+        "kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_auth_token": "secret",
+        "kv_transfer_timeout": 1.0, **kv}))
+
+
+def send(loop: Loop, d_ids: list, params: list, sp=SP) -> None:
+    for i, (ids, kp) in enumerate(zip(d_ids, params)):
+        loop.inbox.put(AddRequest(f"d{i}", ids, sp, time.monotonic(), kp))
+
+
+def tokens_of(loop: Loop, rid: str) -> list[int]:
+    return [t for r in loop.records[rid] for t in r.new_token_ids]
+
+
+def assert_loop_whole(loop: Loop) -> None:
+    loop.pool_whole()
+    loop.qid += 1
+    assert loop.ask(GetKVInfo(loop.qid)).get("orphaned_blocks", 0) == 0
+
+
+@pytest.mark.parametrize("first_token", [False, True], ids=["replay", "first-token"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_lease_gone_before_admission_is_prefilled_here(qwen3_tiny, collocated, first_token, policy):
+    """D asks P at admission and P no longer holds the KV (its lease expired while D stalled past
+    kv_lease_seconds; the same answer as a lease released, used, or lost with a restarted P): D prefills the
+    prompt itself, whatever kv_load_failure_policy, and says it took none of P's KV (the router's X-PD-KV-Unused).
+    Before, a 400 that the router turned into a 502. A proof that does not verify is still refused (a 400 on
+    kv_transfer_params: a deployment error, never a local prefill)."""
+    p = producer(qwen3_tiny, free_port(), **({"pd_first_token": "prefill"} if first_token else {}))
+    loop = d_loop(qwen3_tiny, kv_load_failure_policy=policy)
+    try:
+        tok = p.get_tokenizer()
+        ids = [tok(prompt).input_ids for prompt in PROMPTS[:4]]
+        params = prefill_on(p, PROMPTS[:4])
+        assert all(("first_token" in kp) == first_token for kp in params)
+        expire_leases(p)  # D stalled past kv_lease_seconds
+        forged = sign_params({k: v for k, v in params[0].items() if k != "kv_proof"}, "another token")
+        send(loop, ids + [ids[0]], params + [forged])
+        for i in range(4):
+            rec = loop.finished(f"d{i}")
+            assert rec.finish_reason == "length" and not rec.rejected and rec.error is None, rec
+            assert tokens_of(loop, f"d{i}") == collocated[i]
+            if not first_token:  # (P's first token goes out at admission, before D knows whether it will load)
+                assert any(r.kv_unused for r in loop.records[f"d{i}"])  # D took none of P's KV
+        bad = loop.finished("d4")
+        assert bad.rejected and "kv_transfer_params" in bad.error, bad
+        assert loop.core.engine.connector.stats.bytes_received == 0  # nothing dialed for a load
+        drain(p, deadline=5)
+        assert_whole(p)
+        assert_loop_whole(loop)
+    finally:
+        loop.stop()
+        p.engine.shutdown()

@@ -1,6 +1,8 @@
 """MultiConnector: loads from the first child that can supply the tokens, hands finished requests to all. A finished
-request whose blocks several children keep (each its own lease) is freed only when every one of them has let go:
-the first child's lease expiring must not free blocks another child's reader may still be reading. The gateway's
+request whose blocks several children keep is freed only when every one of them has let go: one child's lease
+ending must not free blocks another child's reader may still be reading. The response carries one set of params,
+the first child's that made any, so a later child's lease on the same request could never be read: it is ended at
+once (one lease per request, not one per child, each pinning the blocks for kv_lease_seconds). The gateway's
 optional calls fan out to every child."""
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ class MultiConnector(KVConnector):
         self.children = [connector_class(c.kv_connector)(c, ctx) for c in config.connectors]
         self._source: dict[str, KVConnector] = {}
         self._load_owner: dict[str, KVConnector] = {}
-        self._keepers: dict[str, int] = {}  # finished request id -> children still keeping its blocks
+        self._keepers: dict[str, set[int]] = {}  # finished request id -> children (indices) still keeping its blocks
 
     def register_kv_caches(self, kv_caches: list) -> None:
         super().register_kv_caches(kv_caches)
@@ -61,10 +63,13 @@ class MultiConnector(KVConnector):
             c.start_load_kv(ConnectorMeta([j for j in meta.loads if self._load_owner.get(j.request_id) is c]))
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        keepers, params = 0, None
-        for c in self.children:
+        keepers, params = set(), None
+        for i, c in enumerate(self.children):
             k, p = c.request_finished(req, block_ids)
-            keepers += bool(k)
+            if k and p and params is not None and c.release_lease(str(p.get("transfer_id", "")), req.request_id):
+                continue  # a second lease nobody is told of: ended now (its end, when reaped, frees nothing)
+            if k:
+                keepers.add(i)
             params = params or p
         if keepers:
             self._keepers[req.request_id] = keepers
@@ -72,14 +77,15 @@ class MultiConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         out = FinishedTransfers()
-        for c in self.children:
+        for i, c in enumerate(self.children):
             f = c.get_finished()
             for rid in f.done_sending:
-                left = self._keepers.get(rid, 1) - 1
-                if left > 0:
-                    self._keepers[rid] = left
-                else:
-                    self._keepers.pop(rid, None)
+                keepers = self._keepers.get(rid)
+                if keepers is None or i not in keepers:  # a lease ended at request_finished: not a keeper
+                    continue
+                keepers.discard(i)
+                if not keepers:
+                    del self._keepers[rid]
                     out.done_sending.add(rid)
             out.done_recving |= f.done_recving
             out.failed.update(f.failed)

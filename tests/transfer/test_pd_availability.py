@@ -81,3 +81,31 @@ def test_a_lease_gone_before_admission_is_prefilled_here(qwen3_tiny, collocated,
     finally:
         loop.stop()
         p.engine.shutdown()
+
+
+def test_a_multi_connector_producer_holds_one_lease_per_request(qwen3_tiny, collocated):
+    """P's MultiConnector of two transports ("tcp beside nixl"; here two tcp servers): the response names one
+    child's lease, so the other child's lease on the same blocks could never be read. It ends at once: once D has
+    pulled through the first child, P's pool is whole right away, not after kv_lease_seconds (before, every
+    request's blocks stayed pinned for the lease: P's usable cache shrank by rate x 30 s)."""
+    from tests.transfer.test_pd_engine import consumer, decode_on
+    children = [{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": free_port()} for _ in range(2)]
+    p = LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "MultiConnector", "kv_role": "kv_producer",
+                                            "engine_id": "P0", "kv_auth_token": "secret", "connectors": children},
+            **ENGINE)
+    d = consumer(qwen3_tiny)
+    try:
+        first, second = p.engine.connector.children
+        params = prefill_on(p, PROMPTS[:4])
+        assert {kp["remote_port"] for kp in params} == {first.port}
+        assert len(first.leases) == 4 and not any(lease.done for lease in first.leases.values())
+        assert all(lease.done for lease in second.leases.values())  # ended already: one lease per request
+        out = decode_on(d, PROMPTS[:4], params)
+        assert [out[i].outputs[0].token_ids for i in range(4)] == collocated
+        assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+        drain(p, deadline=5)  # the leases' lives are 30 s: a lease still held would time this out
+        assert first.stats.failures["lease_expired"] == second.stats.failures["lease_expired"] == 0
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()

@@ -196,6 +196,8 @@ class EngineCore:
         eng = self.engine
         s = eng.scheduler
         transfer = eng.gateway.transfer_stats(s.transfers.num_leased_blocks())
+        if transfer is not None:
+            transfer.update(s.transfers.reclaim_stats())
         return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
                 "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting,
                 "kv_usage": eng.kv.pool.usage(),
@@ -219,6 +221,7 @@ class EngineCore:
         if err:
             out["invariant_error"] = err
         out["leased_blocks"] = eng.scheduler.transfers.num_leased_blocks()  # P: blocks held for decode nodes to read
+        out["orphaned_blocks"] = eng.scheduler.transfers.orphaned_blocks()  # held for no live request: 0 at rest
         return out
 
 

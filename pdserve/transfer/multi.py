@@ -6,6 +6,7 @@ once (one lease per request, not one per child, each pinning the blocks for kv_l
 optional calls fan out to every child."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from pdserve.request import Request
@@ -87,11 +88,18 @@ class MultiConnector(KVConnector):
                 if not keepers:
                     del self._keepers[rid]
                     out.done_sending.add(rid)
+                    out.released_at[rid] = f.released_at.get(rid, time.monotonic())  # the last keeper's end
             out.done_recving |= f.done_recving
             out.failed.update(f.failed)
             out.overdue.update(f.overdue)
             out.ended |= f.ended
         return out
+
+    def orphaned_leases(self) -> dict[str, float]:
+        """Requests every keeping child holds for no reader any more: since the last of them let go."""
+        over = [c.orphaned_leases() for c in self.children]
+        return {rid: max(over[i][rid] for i in keepers) for rid, keepers in self._keepers.items()
+                if all(rid in over[i] for i in keepers)}
 
     def has_pending(self) -> bool:
         return any(c.has_pending() for c in self.children)

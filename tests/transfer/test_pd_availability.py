@@ -109,3 +109,65 @@ def test_a_multi_connector_producer_holds_one_lease_per_request(qwen3_tiny, coll
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
+
+
+def reclaim_series(llm) -> dict:
+    """The reclamation series of `llm`'s /metrics, as the server's collector renders them."""
+    from pdserve.serve.metrics import EngineCollector
+    e = llm.engine
+    stats = e.gateway.transfer_stats(e.scheduler.transfers.num_leased_blocks())
+    stats.update(e.scheduler.transfers.reclaim_stats())
+    series = {m.name: m for m in EngineCollector("m")._transfer(stats)}
+    gauge = series["pdserve_kv_orphaned_blocks"].samples[0].value
+    count = next(s.value for s in series["pdserve_kv_reclaim_seconds"].samples if s.name.endswith("_count"))
+    return {"orphaned": gauge, "reclaimed": count}
+
+
+def test_orphaned_blocks_show_until_reclaimed_on_p(qwen3_tiny):
+    """P: leases no D took expire (a D that never came): until P reaps them their blocks are held for no one, and
+    the gauge says how many; once reaped it is 0 and the histogram has one reclaim per lease. A lease a reader
+    still pins past its end stays orphaned until the read ends."""
+    p = producer(qwen3_tiny, free_port())
+    try:
+        params = prefill_on(p, PROMPTS[1:3])
+        held = p.engine.scheduler.transfers.num_leased_blocks()
+        assert reclaim_series(p) == {"orphaned": 0, "reclaimed": 0}  # live leases are no orphans
+        tid = params[0]["transfer_id"]
+        assert p.engine.connector.lease_table.pin(tid) is not None  # a read in flight
+        expire_leases(p)
+        assert reclaim_series(p)["orphaned"] == held
+        p.engine.step()  # reaps the unpinned one
+        pinned = len(p.engine.connector.leases[tid].block_ids)
+        assert reclaim_series(p) == {"orphaned": pinned, "reclaimed": 1}
+        p.engine.connector.lease_table.unpin(tid)
+        drain(p, deadline=5)
+        assert reclaim_series(p) == {"orphaned": 0, "reclaimed": 2}
+        assert_whole(p)
+    finally:
+        p.engine.shutdown()
+
+
+def test_orphaned_blocks_show_until_reclaimed_on_d(qwen3_tiny):
+    """D: a request aborted while its load is in flight (a P that accepts and never answers) leaves blocks the
+    loader may still write: orphaned until the load reports (its 1 s timeout), then freed, reclaimed and counted."""
+    import socket
+    import threading
+
+    from tests.transfer.test_pd_engine import consumer, params_for_peer
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.append(srv.accept()), daemon=True).start()
+    d = consumer(qwen3_tiny)
+    try:
+        d.engine.add_request(PROMPTS[2], SP, request_id="gone",
+                             kv_transfer_params=params_for_peer(d, PROMPTS[2], srv.getsockname()[1]))
+        while "gone" not in d.engine.scheduler.transfers.loading:
+            d.engine.step()
+        d.engine.abort_request("gone")
+        assert reclaim_series(d)["orphaned"] > 0 and reclaim_series(d)["reclaimed"] == 0
+        drain(d, deadline=10)
+        assert reclaim_series(d) == {"orphaned": 0, "reclaimed": 1}
+        assert_whole(d)
+    finally:
+        d.engine.shutdown()
+        srv.close()

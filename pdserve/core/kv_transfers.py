@@ -200,6 +200,16 @@ class KVTransfers:
         else:
             self.kv.free(req)
 
+    def drop_all(self) -> None:
+        """The engine is dead and its connector shut down (no reader, no loader left): free what leases and loads
+        held, so the pool is whole for whoever inspects it."""
+        for owner in list(self.leased.values()) + list(self.deferred_free.values()):
+            self.kv.free(owner)
+        self.leased.clear()
+        self.deferred_free.clear()
+        self._orphaned_at.clear()
+        self.held.clear()
+
     def take(self, req: Request) -> bool:
         """Take `req` off `loading` or `ready` (it is finishing); False when it is in neither."""
         if self.loading.pop(req.request_id, None) is not None:

@@ -15,6 +15,7 @@ import queue
 import time
 from typing import Any, Callable, Optional
 
+from pdserve.core.step_pipeline import EngineDeadError
 from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
     GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, Wire, record
@@ -55,6 +56,7 @@ class EngineCore:
         self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
+        batch = StepBatch(0.0)
         try:
             while not self._stop:
                 if graphs is not None:
@@ -75,6 +77,9 @@ class EngineCore:
                 if batch.records or batch.replies:
                     batch.time = time.monotonic()
                     self.sink(batch)
+        except EngineDeadError as e:  # the device is unusable: fail everything cleanly, report, and stop
+            self._dead(f"engine dead: {e}", batch)
+            return
         except BaseException as e:  # the engine's state can no longer be trusted: say so, and stop
             logger.exception("engine loop died")
             self.sink(RuntimeError(f"engine loop died: {type(e).__name__}: {e}"))
@@ -87,6 +92,24 @@ class EngineCore:
         self._checks.shutdown()
         if hasattr(eng, "shutdown"):
             eng.shutdown()  # the KV connector's server and threads, if any
+
+    def _dead(self, why: str, batch: StepBatch) -> None:
+        """The engine can serve nothing more (EngineDeadError): every request ends with `why` (the server answers
+        500, or an error event mid-stream), then the death is reported as a loop death is (/health and new requests
+        503; `pdserve serve` exits 1 for its supervisor). What the requests held goes back to the pool, so the
+        node's state reads whole to whoever inspects it."""
+        eng = self.engine
+        batch.records.extend(record(o) for o in eng.fail_all(why))
+        batch.records.extend(TokenRecord(rid, [], "", True, "error", error=why) for rid in self._checks.cancel_all())
+        batch.time = time.monotonic()
+        self.sink(batch)
+        self.sink(RuntimeError(why))
+        try:  # no reader or loader may touch the blocks once the connector is down: then free what they held
+            self._checks.shutdown()
+            eng.shutdown()
+            eng.scheduler.transfers.drop_all()
+        except Exception:  # the device is gone: tearing down may fail too, and changes nothing for the server
+            logger.exception("shutting the dead engine down failed")
 
     def _handle(self, msg, batch: StepBatch) -> None:
         command = _COMMANDS.get(type(msg))

@@ -166,15 +166,19 @@ def kv_state(server) -> dict:
 
 
 def wait_pools_whole(*servers, timeout=10.0):
-    """Every block back in each server's pool (leases released too) and the engine's invariants hold."""
+    """Every block back in each server's pool (leases released too), none orphaned (the reclamation gauge at rest)
+    and the engine's invariants hold."""
     deadline = time.monotonic() + timeout
+
+    def whole(s: dict) -> bool:
+        return s["used_blocks"] == 0 and s["invariants_ok"] and s["orphaned_blocks"] == 0
     while True:
         states = [kv_state(s) for s in servers]
-        if all(s["used_blocks"] == 0 and s["invariants_ok"] for s in states) or time.monotonic() > deadline:
+        if all(whole(s) for s in states) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     for s in states:
-        assert s["invariants_ok"] and s["used_blocks"] == 0, s
+        assert whole(s), s
 
 
 def metrics(url: str) -> dict:

@@ -357,6 +357,12 @@ class LLMEngine:
         return self.output_processor.make_output(
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, why), [])
 
+    def fail_all(self, why: str) -> list[RequestOutput]:
+        """The engine is dead (step_pipeline.EngineDeadError): every request ends with `why` as its error, its
+        blocks freed (those a KV load or a reader may still use stay with KVTransfers until `shutdown`)."""
+        self._admitted = []
+        return [self._fail(rid, why) for rid in list(self.scheduler.requests)]
+
     def step(self) -> list[RequestOutput]:
         """Poll transfers, schedule, run, update, outputs (step_pipeline.py; with async scheduling the model's run
         overlaps the next step()'s host work, and the outputs come one step() later)."""

@@ -14,9 +14,16 @@ A decode node's (D) request with remote-prefill params:
 A prefill node's (P) finished request whose blocks the connector keeps for a reader sits in `leased` until the
 connector reports it `done_sending` (read, released or expired).
 Invariant: every block a transfer may still read or write is owned by an entry here, never by the free pool.
+
+Reclamation is a contract: blocks held with no live request behind them (P: a lease that ended or expired but is
+not freed yet; D: `deferred_free`, blocks a load no live request owns may still write) are *orphaned*
+(`orphaned_blocks`, 0 at rest), and how long each such hold lasted until its blocks were freed is observed in
+`reclaim` (a histogram), so a leak or a slow reclaim shows in /metrics before the pool runs dry.
 """
 from __future__ import annotations
 
+import bisect
+import time
 import uuid
 from collections import deque
 from types import SimpleNamespace
@@ -28,6 +35,30 @@ from pdserve.request import Request, RequestStatus
 
 def _unsigned(params: dict) -> dict:
     return params
+
+
+RECLAIM_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ReclaimTimes:
+    """A histogram of reclaim times (seconds from when blocks were held for no one to their free); engine thread."""
+
+    def __init__(self):
+        self.counts = [0] * (len(RECLAIM_BUCKETS) + 1)  # the last: over every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        self.counts[bisect.bisect_left(RECLAIM_BUCKETS, seconds)] += 1  # Prometheus buckets hold values <= le
+        self.sum += seconds
+
+    def snapshot(self) -> dict:
+        """{"buckets": [(le, cumulative count)], "count", "sum"} (the +Inf bucket is `count`)."""
+        cum, acc = [], 0
+        for c in self.counts[:-1]:
+            acc += c
+            cum.append(acc)
+        return {"buckets": list(zip(RECLAIM_BUCKETS, cum)), "count": sum(self.counts), "sum": self.sum}
 
 
 class KVTransfers:
@@ -42,8 +73,18 @@ class KVTransfers:
         self.leased: dict[str, Request] = {}  # P: finished, blocks kept until D read them or the lease ended
         self.deferred_free: dict[str, Request] = {}  # D: finished (or stood in for) while a load still writes
         self.held: dict[str, deque[str]] = {}  # D: request id -> stand-in ids of its overdue loads' blocks
+        self._orphaned_at: dict[str, float] = {}  # D: deferred_free id -> when its request left (or stood in)
+        self.reclaim = ReclaimTimes()
+
+    def forgo_load(self, req: Request) -> None:
+        """D, before `req` is added: its producer no longer holds the KV (its lease check said so), so nothing is
+        loaded, watched or released for it here (the caller tells P `done`); it prefills locally, whatever the
+        failure policy (nothing failed: there was nothing left to load)."""
+        req.kv_load_tried = True
 
     def watch(self, req: Request) -> None:
+        if req.kv_load_tried:
+            return
         if self.connector is not None and (req.kv_transfer_params or {}).get("do_remote_prefill"):
             self.connector.watch_lease(req)  # kept alive while it queues, wherever it is in the queue
 
@@ -80,10 +121,12 @@ class KVTransfers:
         """Apply finished transfers: release P's leases; on D, a loaded request becomes its one-token replay, a
         failed one is recomputed locally or fails. Returns (requests to prefill locally, each put at the queue's front
         in turn; (request, why) to fail): the scheduler's queues are the scheduler's."""
+        now = time.monotonic()
         for rid in fin.done_sending:
             req = self.leased.pop(rid, None)
             if req is not None:
                 self.kv.free(req)
+                self.reclaim.observe(now - fin.released_at.get(rid, now))
         failed_loads = dict(fin.failed)
         for rid, why in fin.overdue.items():
             held = self._hold(rid)
@@ -102,6 +145,7 @@ class KVTransfers:
         for rid in fin.done_recving | set(failed_loads):
             if rid in self.deferred_free:
                 self.kv.free(self.deferred_free.pop(rid))
+                self.reclaim.observe(now - self._orphaned_at.pop(rid, now))
                 continue
             req = self.loading.pop(rid, None)
             if req is None:
@@ -134,6 +178,7 @@ class KVTransfers:
         standin = f"{request_id}#held-{uuid.uuid4().hex[:8]}"
         self.kv.req_blocks[standin] = self.kv.req_blocks.pop(request_id, [])
         self.deferred_free[standin] = SimpleNamespace(request_id=standin)  # all kv.free reads of a request
+        self._orphaned_at[standin] = time.monotonic()
         return standin
 
     def finish(self, req: Request, status: RequestStatus, was_loading: bool) -> None:
@@ -151,8 +196,19 @@ class KVTransfers:
             self.leased[req.request_id] = req
         elif was_loading:  # a loader thread may still write these blocks: free them when it reports
             self.deferred_free[req.request_id] = req
+            self._orphaned_at[req.request_id] = time.monotonic()
         else:
             self.kv.free(req)
+
+    def drop_all(self) -> None:
+        """The engine is dead and its connector shut down (no reader, no loader left): free what leases and loads
+        held, so the pool is whole for whoever inspects it."""
+        for owner in list(self.leased.values()) + list(self.deferred_free.values()):
+            self.kv.free(owner)
+        self.leased.clear()
+        self.deferred_free.clear()
+        self._orphaned_at.clear()
+        self.held.clear()
 
     def take(self, req: Request) -> bool:
         """Take `req` off `loading` or `ready` (it is finishing); False when it is in neither."""
@@ -170,6 +226,18 @@ class KVTransfers:
     def num_leased_blocks(self) -> int:
         return sum(len(self.kv.blocks_of(r)) for r in self.leased)
 
+    def orphaned_blocks(self) -> int:
+        """Blocks held with no live request behind them: P's leases that ended or expired but are not freed yet
+        (pinned by a read in flight, or not reaped yet), D's blocks that a load may still write for a request that
+        finished or went on without them. 0 at rest."""
+        over = self.connector.orphaned_leases() if self.connector is not None and self.leased else {}
+        return sum(len(self.kv.blocks_of(r)) for r in over if r in self.leased) + \
+            sum(len(self.kv.blocks_of(r)) for r in self.deferred_free)
+
+    def reclaim_stats(self) -> dict:
+        """/metrics: the orphaned blocks now and the reclaim-time histogram."""
+        return {"orphaned_blocks": self.orphaned_blocks(), "reclaim_seconds": self.reclaim.snapshot()}
+
     @property
     def num_waiting(self) -> int:
         return len(self.ready) + len(self.loading)
@@ -182,3 +250,4 @@ class KVTransfers:
         assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.loading.values())
         assert all(r.num_computed_tokens > 0 and r.status == RequestStatus.WAITING for r in self.ready)
         assert all(s in self.deferred_free for q in self.held.values() for s in q if "#held-" in s)
+        assert self._orphaned_at.keys() == self.deferred_free.keys(), "a deferred free without its start time"

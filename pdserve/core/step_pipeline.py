@@ -47,12 +47,22 @@ from pdserve.model.layers import _warm_vml
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.worker.device_errors import device_unusable
 from pdserve.worker.openmp import release_thread_pool
 
 if TYPE_CHECKING:
     from pdserve.core.engine import LLMEngine
 
 logger = logging.getLogger("pdserve.engine")
+# Failed steps in a row (none landed in between) after which the engine is dead whatever the error: a device that
+# fails every step in a way no marker names is no less a zombie. Above the one or two a bad request can cause.
+MAX_FAILED_STEPS = 8
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can serve nothing more (vLLM's name): its device is unusable (device_errors.py) or MAX_FAILED_STEPS
+    steps failed in a row. Raised out of `step()`; the engine loop fails every request and reports itself dead
+    (/health 503, new requests 503), so a router or a supervisor replaces the node."""
 
 
 class EngineStep:
@@ -61,6 +71,7 @@ class EngineStep:
     def __init__(self, engine: "LLMEngine"):
         self.engine = engine
         self.in_flight: Optional[tuple[SchedulerOutput, concurrent.futures.Future]] = None
+        self.failed_in_a_row = 0  # steps that failed since the last one that landed
 
     def step(self) -> list[RequestOutput]:
         eng = self.engine
@@ -73,6 +84,7 @@ class EngineStep:
             result = eng.runner.execute(out.rows, eng.kv.block_table)
         except Exception as e:
             return transfer_outputs + self._failed(out, e)
+        self.failed_in_a_row = 0
         return transfer_outputs + eng.output_processor.process(*self._land(out, result))
 
     def _poll_transfers(self) -> list[RequestOutput]:
@@ -119,7 +131,15 @@ class EngineStep:
             m.first_scheduled_time = m.first_scheduled_time or now
 
     def _failed(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
-        """A failed step fails its requests (those not finished meanwhile), never the engine."""
+        """A failed step fails its requests (those not finished meanwhile), not the engine; unless the device is
+        unusable or too many steps failed in a row: then EngineDeadError (the engine loop fails every request)."""
+        self.failed_in_a_row += 1
+        why = device_unusable(e)
+        if why is None and self.failed_in_a_row >= MAX_FAILED_STEPS:
+            why = f"{self.failed_in_a_row} model steps failed in a row, the last with {type(e).__name__}: {e}"[:400]
+        if why is not None:
+            logger.critical("the engine is dead: %s", why, exc_info=e)
+            raise EngineDeadError(why) from e
         logger.error("model step failed", exc_info=e)
         return [self.engine._fail(row.request.request_id, f"model step failed: {e}") for row in out.rows
                 if not row.request.is_finished]
@@ -190,6 +210,7 @@ class StepPipeline(EngineStep):
             except Exception as e:
                 outputs += self._failed(landed, e)
             else:
+                self.failed_in_a_row = 0
                 updated, lps = self._land(landed, result, in_flight=True)
         out.rows = [row for row in out.rows if not row.request.is_finished]  # their blocks are freed already
         if not out.rows and flight is None:

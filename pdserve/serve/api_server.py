@@ -173,6 +173,8 @@ def build_app(state: ServerState) -> FastAPI:
         why = "shutting down" if not state.engine.accepting else \
             "engine not running" if state.engine.error or (state.engine.info and not state.engine.ready) else \
             "starting up"
+        if why == "engine not running" and state.engine.error is not None:  # e.g. "engine dead: AcceleratorError:
+            why += f": {state.engine.error}"  # CUDA error: an illegal memory access was encountered"
         return JSONResponse({"status": why}, status_code=503)
 
     @app.get("/version")

@@ -181,7 +181,7 @@ class AsyncEngine:
             self.info = obj
             self._started.set()
         elif isinstance(obj, BaseException):
-            self.error = obj
+            self.error = self.error or obj  # the first says why (a dead engine's process then exits, too)
             if self.info is not None:
                 self._died.set()
             self._started.set()
@@ -219,7 +219,7 @@ class AsyncEngine:
         if not self.accepting:
             raise APIError(503, "the server is shutting down")
         if self.error is not None or (self.info is not None and not self.alive()):
-            raise APIError(503, "the engine is not running")
+            raise APIError(503, "the engine is not running" + (f" ({self.error})" if self.error else ""))
         if self.info is None:
             raise APIError(503, "the engine is still starting up")
         if self._num_queued + n > self.max_waiting:

@@ -15,6 +15,7 @@ import queue
 import time
 from typing import Any, Callable, Optional
 
+from pdserve.core.step_pipeline import EngineDeadError
 from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
     GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, Wire, record
@@ -55,6 +56,7 @@ class EngineCore:
         self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
+        batch = StepBatch(0.0)
         try:
             while not self._stop:
                 if graphs is not None:
@@ -75,6 +77,9 @@ class EngineCore:
                 if batch.records or batch.replies:
                     batch.time = time.monotonic()
                     self.sink(batch)
+        except EngineDeadError as e:  # the device is unusable: fail everything cleanly, report, and stop
+            self._dead(f"engine dead: {e}", batch)
+            return
         except BaseException as e:  # the engine's state can no longer be trusted: say so, and stop
             logger.exception("engine loop died")
             self.sink(RuntimeError(f"engine loop died: {type(e).__name__}: {e}"))
@@ -87,6 +92,24 @@ class EngineCore:
         self._checks.shutdown()
         if hasattr(eng, "shutdown"):
             eng.shutdown()  # the KV connector's server and threads, if any
+
+    def _dead(self, why: str, batch: StepBatch) -> None:
+        """The engine can serve nothing more (EngineDeadError): every request ends with `why` (the server answers
+        500, or an error event mid-stream), then the death is reported as a loop death is (/health and new requests
+        503; `pdserve serve` exits 1 for its supervisor). What the requests held goes back to the pool, so the
+        node's state reads whole to whoever inspects it."""
+        eng = self.engine
+        batch.records.extend(record(o) for o in eng.fail_all(why))
+        batch.records.extend(TokenRecord(rid, [], "", True, "error", error=why) for rid in self._checks.cancel_all())
+        batch.time = time.monotonic()
+        self.sink(batch)
+        self.sink(RuntimeError(why))
+        try:  # no reader or loader may touch the blocks once the connector is down: then free what they held
+            self._checks.shutdown()
+            eng.shutdown()
+            eng.scheduler.transfers.drop_all()
+        except Exception:  # the device is gone: tearing down may fail too, and changes nothing for the server
+            logger.exception("shutting the dead engine down failed")
 
     def _handle(self, msg, batch: StepBatch) -> None:
         command = _COMMANDS.get(type(msg))
@@ -133,8 +156,9 @@ class EngineCore:
     def _on_stop(self, msg: Stop, batch: StepBatch) -> None:
         self._stop = True
 
-    def _add(self, msg: AddRequest, batch: StepBatch, req=None) -> None:
-        """`req`: the request made (and checked) when `msg` came in, after P answered the lease check."""
+    def _add(self, msg: AddRequest, batch: StepBatch, req=None, kv_gone: bool = False) -> None:
+        """`req`: the request made (and checked) when `msg` came in, after P answered the lease check; `kv_gone`:
+        P answered that it no longer holds the KV, so the request prefills here."""
         eng = self.engine
         rid, token_ids, params, arrival = msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time
         kv_params, salt = msg.kv_transfer_params, msg.cache_salt
@@ -145,6 +169,8 @@ class EngineCore:
                 if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
                     self._checks.submit(rid, req.kv_transfer_params, (msg, req))  # checked once, here
                     return
+            if kv_gone:
+                eng.scheduler.transfers.forgo_load(req)
             eng.add(req)
             if kv_params is None:
                 return
@@ -168,8 +194,13 @@ class EngineCore:
         if not wanted:  # aborted while P was asked
             self._release_remote(rid, kv_params)
         elif left is not None and left <= 0:
-            self._refuse(rid, kv_params, "kv_transfer_params expired: the prefill node no longer holds this KV (its "
-                         "lease ended, was released, or was used already); prefill the prompt again", batch)
+            # Authentic params whose KV P no longer holds (its lease expired while this node stalled, was released
+            # or used, or P restarted): not the client's fault, so served all the same, prefilled here as when P
+            # cannot be reached; D took none of P's KV (X-PD-KV-Unused) and P hears `done` (harmless if gone).
+            logger.info("the prefill node no longer holds this request's KV (lease ended, released or used): "
+                        "prefilling it here", extra={"request_id": rid})
+            self._release_remote(rid, kv_params)
+            self._add(msg, batch, req, kv_gone=True)
         else:
             self._add(msg, batch, req)
 
@@ -188,6 +219,8 @@ class EngineCore:
         eng = self.engine
         s = eng.scheduler
         transfer = eng.gateway.transfer_stats(s.transfers.num_leased_blocks())
+        if transfer is not None:
+            transfer.update(s.transfers.reclaim_stats())
         return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
                 "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting,
                 "kv_usage": eng.kv.pool.usage(),
@@ -211,6 +244,7 @@ class EngineCore:
         if err:
             out["invariant_error"] = err
         out["leased_blocks"] = eng.scheduler.transfers.num_leased_blocks()  # P: blocks held for decode nodes to read
+        out["orphaned_blocks"] = eng.scheduler.transfers.orphaned_blocks()  # held for no live request: 0 at rest
         return out
 
 

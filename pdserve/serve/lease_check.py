@@ -4,7 +4,8 @@ delays only its own requests) how long it still holds the KV the
 params name. An authentic proof is not a fresh one: params replayed after their load, or held past their lease,
 would otherwise send D to P for KV that is gone. The answer decides, on the engine loop:
 - seconds left > 0: the request is admitted as usual;
-- 0 (P released it, it expired, or P never made it): a 400 naming the stale params, and a bare `done` to P;
+- 0 (P released it, it expired while this node stalled, or P never made it, e.g. restarted): admitted with no
+  load, prefilled here whatever the failure policy (the client did nothing wrong), and a bare `done` to P;
 - P could not be asked (unreachable, handshake refused): admitted all the same, and the load's own failure policy
   (recompute here, or fail) decides, as for a P that dies after admission.
 An abort while the question is out drops the request when the answer comes.

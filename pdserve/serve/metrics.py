@@ -139,6 +139,18 @@ class EngineCollector:
         yield f
         yield self._one(GaugeMetricFamily, "pdserve_kv_leased_blocks", "KV blocks held under a lease for decode "
                         "nodes to read.", t.get("leased_blocks", 0))
+        yield self._one(GaugeMetricFamily, "pdserve_kv_orphaned_blocks", "KV blocks held with no live request "
+                        "behind them, not freed yet: on a prefill node leases that ended or expired, on a decode "
+                        "node blocks a KV load may still write for a request that no longer owns them. 0 at rest.",
+                        t.get("orphaned_blocks", 0))
+        h = t.get("reclaim_seconds")
+        if h is not None:
+            m = HistogramMetricFamily("pdserve_kv_reclaim_seconds", "Histogram of seconds from when KV blocks "
+                                      "were held for no live request (a lease ended or expired, a load's request "
+                                      "gone) to their free.", labels=LABELS)
+            m.add_metric(self.lab, [(repr(float(le)), c) for le, c in h["buckets"]] + [("+Inf", h["count"])],
+                         h["sum"])
+            yield m
         yield from self._nixl(t.get("nixl"))
 
     _NIXL_DOCS = {"xfer_time_seconds": "Histogram of transfer duration for NIXL KV Cache transfers.",

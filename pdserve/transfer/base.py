@@ -52,6 +52,9 @@ class FinishedTransfers:
     # `ended`; a request that finished while loading keeps its blocks held the same way.
     overdue: dict[str, str] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)  # consumer: overdue loads now over (one entry per overdue report)
+    # producer: for done_sending requests, when their lease ended or expired (time.monotonic()): from then until
+    # the scheduler frees the blocks is their reclaim time
+    released_at: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,12 @@ class KVConnector(ABC):
 
     def request_abandoned(self, req: Request) -> None:
         """Consumer: `req` finished before its load started; let the producer release what it holds for it."""
+
+    def orphaned_leases(self) -> dict[str, float]:
+        """Producer: {request id: since when (time.monotonic())} of requests whose blocks this connector still keeps
+        though no reader may take them any more (their lease ended or expired; a read in flight still pins it, or it
+        is not reaped yet). At rest: empty."""
+        return {}
 
     # ---- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list) -> None:

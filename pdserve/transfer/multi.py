@@ -1,9 +1,12 @@
 """MultiConnector: loads from the first child that can supply the tokens, hands finished requests to all. A finished
-request whose blocks several children keep (each its own lease) is freed only when every one of them has let go:
-the first child's lease expiring must not free blocks another child's reader may still be reading. The gateway's
+request whose blocks several children keep is freed only when every one of them has let go: one child's lease
+ending must not free blocks another child's reader may still be reading. The response carries one set of params,
+the first child's that made any, so a later child's lease on the same request could never be read: it is ended at
+once (one lease per request, not one per child, each pinning the blocks for kv_lease_seconds). The gateway's
 optional calls fan out to every child."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from pdserve.request import Request
@@ -17,7 +20,7 @@ class MultiConnector(KVConnector):
         self.children = [connector_class(c.kv_connector)(c, ctx) for c in config.connectors]
         self._source: dict[str, KVConnector] = {}
         self._load_owner: dict[str, KVConnector] = {}
-        self._keepers: dict[str, int] = {}  # finished request id -> children still keeping its blocks
+        self._keepers: dict[str, set[int]] = {}  # finished request id -> children (indices) still keeping its blocks
 
     def register_kv_caches(self, kv_caches: list) -> None:
         super().register_kv_caches(kv_caches)
@@ -61,10 +64,13 @@ class MultiConnector(KVConnector):
             c.start_load_kv(ConnectorMeta([j for j in meta.loads if self._load_owner.get(j.request_id) is c]))
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        keepers, params = 0, None
-        for c in self.children:
+        keepers, params = set(), None
+        for i, c in enumerate(self.children):
             k, p = c.request_finished(req, block_ids)
-            keepers += bool(k)
+            if k and p and params is not None and c.release_lease(str(p.get("transfer_id", "")), req.request_id):
+                continue  # a second lease nobody is told of: ended now (its end, when reaped, frees nothing)
+            if k:
+                keepers.add(i)
             params = params or p
         if keepers:
             self._keepers[req.request_id] = keepers
@@ -72,20 +78,28 @@ class MultiConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         out = FinishedTransfers()
-        for c in self.children:
+        for i, c in enumerate(self.children):
             f = c.get_finished()
             for rid in f.done_sending:
-                left = self._keepers.get(rid, 1) - 1
-                if left > 0:
-                    self._keepers[rid] = left
-                else:
-                    self._keepers.pop(rid, None)
+                keepers = self._keepers.get(rid)
+                if keepers is None or i not in keepers:  # a lease ended at request_finished: not a keeper
+                    continue
+                keepers.discard(i)
+                if not keepers:
+                    del self._keepers[rid]
                     out.done_sending.add(rid)
+                    out.released_at[rid] = f.released_at.get(rid, time.monotonic())  # the last keeper's end
             out.done_recving |= f.done_recving
             out.failed.update(f.failed)
             out.overdue.update(f.overdue)
             out.ended |= f.ended
         return out
+
+    def orphaned_leases(self) -> dict[str, float]:
+        """Requests every keeping child holds for no reader any more: since the last of them let go."""
+        over = [c.orphaned_leases() for c in self.children]
+        return {rid: max(over[i][rid] for i in keepers) for rid, keepers in self._keepers.items()
+                if all(rid in over[i] for i in keepers)}
 
     def has_pending(self) -> bool:
         return any(c.has_pending() for c in self.children)

@@ -42,6 +42,9 @@ class RoleConnector(KVConnector):
     def leased_blocks(self) -> int:
         return self.lease_table.num_blocks()
 
+    def orphaned_leases(self) -> dict[str, float]:
+        return self.lease_table.orphans()
+
     def release_lease(self, tid: str, request_id: str) -> bool:
         """P: end the open lease `tid` (of request `request_id`) now, as D's `done` would: the router's call,
         through P's `POST /v1/kv/release`, for params no decode node took. False when no such lease is open (never

@@ -197,20 +197,24 @@ def post_d(dep, prompt: str, params: dict) -> httpx.Response:
         "model": "qwen3-tiny-s0", "prompt": prompt, "max_tokens": 4, "temperature": 0, "kv_transfer_params": params})
 
 
-def test_stale_proofs_get_400(dep):
+def test_stale_proofs_are_prefilled_on_d(dep):
     """Authentic params whose KV P no longer holds: used once already (P released the lease on D's `done`), or held
-    past the lease. D asks P at admission and answers 400; P's pool is whole. Extra fields beside P's (what a router
-    might add) are accepted quietly."""
+    past the lease (a D that stalled). D asks P at admission and prefills the prompt itself: the same text, no
+    client error, X-PD-KV-Unused; P's pool is whole. Extra fields beside P's (what a router might add) are
+    accepted quietly."""
+    from pdserve.serve.server_timing import KV_UNUSED_HEADER
     params = prefill_on_p(dep, PROMPTS[0])
-    assert post_d(dep, PROMPTS[0], {**params, "router_added": 1}).status_code == 200
+    first = post_d(dep, PROMPTS[0], {**params, "router_added": 1})
+    assert first.status_code == 200 and KV_UNUSED_HEADER not in first.headers
     wait_no_lease(dep)
     replay = post_d(dep, PROMPTS[0], params)
-    assert replay.status_code == 400 and "expired" in replay.json()["error"]["message"], replay.text
+    assert replay.status_code == 200 and replay.headers.get(KV_UNUSED_HEADER) == "1", replay.text
+    assert replay.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     params = prefill_on_p(dep, PROMPTS[1])
     assert leased(dep) > 0
     time.sleep(LEASE + 0.5)
     late = post_d(dep, PROMPTS[1], params)
-    assert late.status_code == 400 and "expired" in late.json()["error"]["message"], late.text
+    assert late.status_code == 200 and late.headers.get(KV_UNUSED_HEADER) == "1", late.text
     wait_no_lease(dep)
     wait_pools_whole(dep["P"], dep["D"])
 

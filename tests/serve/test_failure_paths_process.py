@@ -71,7 +71,7 @@ def test_the_engine_process_dying_fails_its_requests_and_refuses_new_ones(qwen3_
         texts = [json.loads(e)["choices"][0]["text"] for e in ev[:-1] if "choices" in json.loads(e)]
         assert len(texts) < 45
         r = c.get("/health")
-        assert r.status_code == 503 and r.json() == {"status": "engine not running"}
+        assert r.status_code == 503 and r.json() == {"status": "engine not running: the engine process exited"}
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503 and "the engine is not running" in r.json()["error"]["message"]
         assert state.engine.num_in_flight == 0

@@ -75,6 +75,7 @@ def assert_whole(*llms):
         e.check_invariants()
         assert e.kv.num_free_blocks() == e.num_blocks - 1, "blocks leaked"
         assert not e.scheduler.transfers.leased and not e.scheduler.transfers.deferred_free
+        assert e.scheduler.transfers.orphaned_blocks() == 0  # the reclamation gauge at rest
 
 
 @pytest.fixture(scope="module")

@@ -292,6 +292,9 @@ def test_client_abort_before_decode_answers(dep):
     wait_released(dep)
     assert fake.dropped.wait(5), "the router kept its request to D open after the client left"
     wait_pools_whole(dep["P"])
+    # the reclamation contract in /metrics: nothing held for no one at rest, and the released lease was reclaimed
+    assert metric(dep["P"].url, "pdserve_kv_orphaned_blocks") == 0
+    assert metric(dep["P"].url, "pdserve_kv_reclaim_seconds_count") >= 1
 
 
 def test_decode_down_through_router(dep):
@@ -304,6 +307,7 @@ def test_decode_down_through_router(dep):
     assert prefills(dep) == before + 1
     wait_released(dep)
     wait_pools_whole(dep["P"])
+    assert metric(dep["P"].url, "pdserve_kv_orphaned_blocks") == 0
 
 
 @contextlib.contextmanager

@@ -54,6 +54,14 @@ class Lease:
     expiry: float  # time.monotonic() on P
     pins: int = 0  # reads in flight: a pinned lease is never freed, whatever its expiry
     done: bool = False
+    ended: float = 0.0  # time.monotonic() of `done` (D's done or a release)
+
+    def over_since(self, now: float) -> Optional[float]:
+        """When this lease stopped serving a reader (its end, or its expiry), if it has: its blocks are then held
+        for no one, only until it is reaped (a read in flight still pins them)."""
+        if self.done:
+            return self.ended
+        return self.expiry if now > self.expiry else None
 
 
 class LeaseTable:
@@ -97,8 +105,8 @@ class LeaseTable:
     def confirm(self, tid: str) -> None:
         """D's `done`: the lease ends once no read holds it (a repeat, or an unknown id, is harmless)."""
         with self._lock:
-            if tid in self.leases:
-                self.leases[tid].done = True
+            if (lease := self.leases.get(tid)) is not None and not lease.done:
+                lease.done, lease.ended = True, time.monotonic()
 
     def release(self, tid: str, request_id: str) -> bool:
         """End the live lease `tid` of `request_id` now; False when there is none (so a repeat is harmless)."""
@@ -106,19 +114,29 @@ class LeaseTable:
             lease = self._live(tid)
             if lease is None or lease.request_id != request_id:
                 return False
-            lease.done = True  # a read in flight keeps its pin; reap frees the blocks after it
+            lease.done, lease.ended = True, time.monotonic()  # a read in flight keeps its pin; reap frees after it
             return True
 
-    def reap(self) -> tuple[set[str], int]:
-        """(request ids whose blocks may be freed now, how many of them expired rather than ended)."""
-        now, freed, expired = time.monotonic(), set(), 0
+    def reap(self) -> tuple[dict[str, float], int]:
+        """({request id whose blocks may be freed now: when its lease ended or expired}, how many of them expired
+        rather than ended)."""
+        now, freed, expired = time.monotonic(), {}, 0
         with self._lock:
             for tid, lease in list(self.leases.items()):
-                if lease.pins == 0 and (lease.done or now > lease.expiry):
+                since = lease.over_since(now)
+                if lease.pins == 0 and since is not None:
                     expired += not lease.done
                     del self.leases[tid]
-                    freed.add(lease.request_id)
+                    freed[lease.request_id] = since
         return freed, expired
+
+    def orphans(self) -> dict[str, float]:
+        """{request id: since when} of leases over (ended or expired) whose blocks are not freed yet: held for no
+        reader, until a read in flight unpins them and the next reap."""
+        now = time.monotonic()
+        with self._lock:
+            return {lease.request_id: since for lease in self.leases.values()
+                    if (since := lease.over_since(now)) is not None}
 
     def num_blocks(self) -> int:
         with self._lock:

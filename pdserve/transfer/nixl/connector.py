@@ -169,7 +169,8 @@ class NixlConnector(RoleConnector):
             self.consumer.take_finished(out)
         if self.producer is not None and self.agent is not None:
             self.producer.poll()
-        out.done_sending, expired = self.lease_table.reap()
+        out.released_at, expired = self.lease_table.reap()
+        out.done_sending = set(out.released_at)
         self.stats.count("lease_expired", expired)
         if expired:
             self.nstats.count("num_kv_expired_reqs", expired)

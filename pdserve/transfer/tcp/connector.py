@@ -75,6 +75,7 @@ class TcpConnector(RoleConnector):
         if self.consumer is not None:
             self.consumer.keeper.tick()
             out.done_recving, out.failed = self.consumer.take_finished()
-        out.done_sending, expired = self.lease_table.reap()
+        out.released_at, expired = self.lease_table.reap()
+        out.done_sending = set(out.released_at)
         self.stats.count("lease_expired", expired)
         return out

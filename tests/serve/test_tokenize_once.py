@@ -102,7 +102,7 @@ def dep(qwen3_tiny):
                             pd_first_token=mode)
             router.client = httpx.AsyncClient(transport=ToApps({"p.test": P, "d.test": D}))
             routers[mode] = stack.enter_context(TestClient(build_router(router)))
-        yield {"P": P, "D": D, "C": C, "tok": tok, **routers}
+        yield {"P": P, "D": D, "C": C, "tok": tok, "d_info": d_state.serving.info, **routers}
 
 
 def body_of(chat: bool, prompt, stream: bool, **extra) -> dict:
@@ -143,7 +143,8 @@ def answer(r, chat: bool, stream: bool) -> dict:
 
 def prefill(dep, chat: bool, prompt, **extra):
     """P's answer to a router's prefill request (as vllm-router asks it): its kv_transfer_params, or None."""
-    body = body_of(chat, prompt, False, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    body = body_of(chat, prompt, False, **{"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
+                                           **extra})
     body.pop("return_token_ids")
     r = dep["P"].post(path(chat), json=body)
     assert r.status_code == 200, r.text
@@ -278,10 +279,31 @@ def test_a_clients_own_digest_is_not_passed_on_by_p(dep):
     assert params[PROMPT_INPUT_DIGEST] != "forged"
     r, tokenized = decode(dep, False, PROMPT, False, params)
     assert tokenized == 0 and r.status_code == 200
-    # a token-id prompt has its ids already: nothing handed over
-    params = prefill(dep, False, [5, 6, 7, 8, 9])
+    # a token-id prompt has its ids already: nothing handed over, whatever digest the client sent
+    params = prefill(dep, False, [5, 6, 7, 8, 9], kv_transfer_params={"do_remote_decode": True,
+                                                                      PROMPT_INPUT_DIGEST: "forged"})
     assert PROMPT_INPUT_DIGEST not in params and PROMPT_TOKEN_IDS not in params
     assert dep["P"].post("/v1/kv/release", json={"kv_transfer_params": params}).status_code == 200
+    whole(dep)
+
+
+def test_what_d_still_checks_and_echoes_without_tokenizing(dep):
+    """With P's ids D still sizes the text (--max-prompt-chars), checks the context (max_tokens), echoes the prompt
+    and counts it in usage, as when it tokenizes itself."""
+    info = dep["d_info"]
+    limit, info.max_prompt_chars = info.max_prompt_chars, len(PROMPT) - 1
+    try:
+        r, tokenized = decode(dep, False, PROMPT, False, prefill(dep, False, PROMPT))
+    finally:
+        info.max_prompt_chars = limit
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and tokenized == 0
+    assert "--max-prompt-chars" in r.json()["error"]["message"]
+    r, tokenized = decode(dep, False, PROMPT, False, prefill(dep, False, PROMPT), max_tokens=250)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and tokenized == 0
+    want = answer(dep["C"].post("/v1/completions", json=body_of(False, PROMPT, False, echo=True)), False, False)
+    assert want["text"].startswith(PROMPT)
+    r, tokenized = decode(dep, False, PROMPT, False, prefill(dep, False, PROMPT), echo=True)
+    assert answer(r, False, False) == want and tokenized == 0
     whole(dep)
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -107,8 +108,11 @@ def main() -> None:
                   f" -> {rows[-1]['params_bytes_with_packed_ids']} B (a JSON list: "
                   f"{rows[-1]['params_bytes_with_ids_as_json_list']} B)")
     result = {"rows": rows, "rounds": args.rounds, "vocab_size": len(tok), "model": Path(args.model).name,
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-              "quiet_machine": os.path.exists("/tmp/QUIET")}
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip(),
+              "date": time.strftime("%Y-%m-%d")}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -49,6 +49,8 @@ class ServerState:
         self.model_dir = engine_config.model.model
         self.cache_config = engine_config.cache
         self.max_num_seqs = engine_config.scheduler.max_num_seqs
+        kv = engine_config.kv_transfer
+        self.kv_token = kv.auth_token() if kv is not None else ""  # D checks P's proof on P's prompt ids with it
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)
@@ -86,7 +88,7 @@ class ServerState:
         self.serving = OpenAIServing(self.engine, ModelInfo(
             self.names, self.tokenizer, info.vocab_size, info.max_model_len, self.generation_config,
             info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
-            self.cfg.max_waiting, self.max_num_seqs))
+            self.cfg.max_waiting, self.max_num_seqs, kv_token=self.kv_token))
         logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s, async scheduling %s",
                     info.max_model_len, info.num_blocks, info.device, self.cfg.engine_backend,
                     "on" if info.async_scheduling else "off")

@@ -22,6 +22,8 @@ class ModelInfo:
     max_prompt_chars: int = 2**62
     max_prompts: int = 2**62  # prompts in one batch: --max-waiting, more could never be queued together
     max_num_seqs: int = 2**62  # bounds `n`
+    # D: checks P's proof on the prompt ids P hands over (prompt_handoff.py); "" takes none
+    kv_token: str = dataclasses.field(default="", repr=False)
 
 
 CHARS_PER_TOKEN = 32  # the default --max-prompt-chars is this many per token of max_model_len
@@ -90,6 +92,20 @@ def _one_prompt(prompt: Any, info: ModelInfo, where: str, special: bool) -> tupl
 
 def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple[list[int], str, list[dict]]:
     """`req`: a ChatRequest, or /tokenize's chat form (which has the same rendering fields), so both count alike."""
+    conv = chat_conversation(req, info)
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        text = info.tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=bool(req.continue_final_message), **kwargs)
+    except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+    return info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text, conv
+
+
+def chat_conversation(req, info: ModelInfo) -> list[dict]:
+    """The messages checked (each a 400 naming it, the size limits included) as the template gets them: what a
+    chat needs besides its token ids (the answer's role, echo), so a D given P's ids runs this and no template."""
     msgs = req.messages
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages: must be a non-empty list of {role, content} objects", "messages")
@@ -118,18 +134,11 @@ def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple
         chars += len(content) + 1
         check_chars(chars, info, "messages", "messages")
         conv.append({**m, "content": content})
-    kwargs = dict(req.chat_template_kwargs or {})
-    if "chat_template" in kwargs:  # a template is code the server would run, on its event loop: as the top-level
-        # field (protocol._NOT_SERVED), a request's own is refused
+    if "chat_template" in (req.chat_template_kwargs or {}):  # a template is code the server would run, on its
+        # event loop: as the top-level field (protocol._NOT_SERVED), a request's own is refused
         raise bad_request("chat_template_kwargs.chat_template: a request's own chat template is not served (the "
                           "model's is used)", "chat_template_kwargs")
-    try:
-        text = info.tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=bool(req.continue_final_message), **kwargs)
-    except Exception as e:  # a template error is the request's fault (roles, kwargs), never a 500
-        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-    return info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text, conv
+    return conv
 
 
 def truncated(prompts: list, k: Optional[int], side: Optional[str], info: ModelInfo) -> list:

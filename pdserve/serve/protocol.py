@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.serve.errors import APIError, bad_request
-from pdserve.serve.prompts import ModelInfo, chat_prompt, check_token_ids, completion_prompts, too_long, truncated
+from pdserve.serve.prompt_handoff import ids_from_params, mark_prompt_input
+from pdserve.serve.prompts import ModelInfo, chat_conversation, chat_prompt, check_chars, check_token_ids, \
+    completion_prompts, too_long, truncated
 
 logger = logging.getLogger("pdserve.serve")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
@@ -119,6 +121,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
     report_cached: bool = True  # usage names prefix-cache hits (not when P serves a router a request D redoes)
     echo_only: bool = False  # completions max_tokens 0 with echo: the answer is the prompt alone
+    ids_from_prefill: bool = False  # D: the prompt's ids are those P signed (prompt_handoff.py), not tokenized here
 
 
 def _validate(cls, data: dict):
@@ -209,10 +212,16 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
             set(req.kv_transfer_params) != {"resume_token_ids"}:  # a resume needs no transfer: any node serves it
         raise bad_request("kv_transfer_params: this server has no KV connector (start it with a KV transfer "
                           "config to take part in P/D)", "kv_transfer_params")
+    # D: P's signed ids for this very prompt input (tokenize once); the checks that need no tokenizer still run
+    p_ids = ids_from_params(kind, req, info.kv_token, info.vocab_size) if req.kv_transfer_params is not None else None
     if kind == "completion":
-        prompts = truncated(completion_prompts(req.prompt, info, req.add_special_tokens is not False,
-                                               req.truncate_prompt_tokens, req.truncation_side),
-                            req.truncate_prompt_tokens, req.truncation_side, info)
+        if p_ids is not None:  # a text prompt (its digest says so), sized as if it were tokenized here
+            check_chars(len(req.prompt), info, "prompt", "prompt")
+            prompts = [(p_ids, req.prompt)]
+        else:
+            prompts = truncated(completion_prompts(req.prompt, info, req.add_special_tokens is not False,
+                                                   req.truncate_prompt_tokens, req.truncation_side),
+                                req.truncate_prompt_tokens, req.truncation_side, info)
         max_tokens, mt_name = req.max_tokens, "max_tokens"
         logprobs = req.logprobs
         # as vLLM: echo with logprobs scores the prompt too (its tokens lead the legacy logprobs)
@@ -220,7 +229,10 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
         echoes = [(text if text is not None else info.tokenizer.decode(ids)) if req.echo else ""
                   for ids, text in prompts]
     else:
-        ids, text, conv = chat_prompt(req, info, bool(req.add_special_tokens))
+        if p_ids is not None:  # the rendered text is not needed past tokenizing: only the messages are
+            ids, text, conv = p_ids, None, chat_conversation(req, info)
+        else:
+            ids, text, conv = chat_prompt(req, info, bool(req.add_special_tokens))
         prompts = truncated([(ids, text)], req.truncate_prompt_tokens, req.truncation_side, info)
         # as vLLM: the answer's role is the assistant's, or the last message's when no generation prompt is added
         role = "assistant" if req.add_generation_prompt else conv[-1]["role"]
@@ -270,6 +282,7 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     if isinstance(kv_params, dict) and "resume_token_ids" in kv_params and logprobs is not None and not req.stream:
         # a whole answer would lack the resumed tokens' logprobs (a resumed stream's client has them already)
         raise bad_request("kv_transfer_params: resume_token_ids with logprobs only on a stream", "kv_transfer_params")
+    kv_params = mark_prompt_input(kv_params, kind, req)  # P: the digest its engine signs with the prompt's ids
     for j, (ids, _) in enumerate(prompts):
         _check_context(len(ids), params, info, mt_name, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
     opts = req.stream_options or StreamOptions()
@@ -280,5 +293,5 @@ def to_generation_requests(kind: str, data: dict, info: ModelInfo) -> list[Gener
     return [GenerationRequest(kind, model, ids, text, params, bool(req.stream), opts.include_usage,
                               opts.continuous_usage_stats, echo, bool(req.return_token_ids), unknown,
                               kv_params, info.tokenizer.decode(ids[:1]) if first else None, req.cache_salt,
-                              bool(req.return_tokens_as_token_ids), report_cached, echo_only)
+                              bool(req.return_tokens_as_token_ids), report_cached, echo_only, p_ids is not None)
             for (ids, text), echo in zip(prompts, echoes)]

@@ -81,8 +81,8 @@ class OpenAIServing:
             raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         builder = ResponseBuilder(greq, prefix + st.request_id, int(time.time()))
-        logger.info("%s request: %d prompt tokens, max_tokens=%s, stream=%s", kind, len(greq.prompt_token_ids),
-                    greq.params.max_tokens, greq.stream)
+        logger.info("%s request: %d prompt tokens%s, max_tokens=%s, stream=%s", kind, len(greq.prompt_token_ids),
+                    " (P's, not tokenized here)" if greq.ids_from_prefill else "", greq.params.max_tokens, greq.stream)
         gen = self.engine.stream(st)
         if greq.stream:
             first, headers = None, _SSE_HEADERS

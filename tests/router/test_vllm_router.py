@@ -1,7 +1,8 @@
 """vLLM's Rust router (`vllm-router`, a test extra) in P/D mode in front of pdserve's P and D, unmodified: it relays
 P's kv_transfer_params (with P's own proof) to D verbatim. Greedy outputs equal a collocated server's (D itself,
 asked without params: it prefills locally), streamed and not; D's graph series show no `prefill` step for the
-router's traffic; P's leased blocks return to 0 after the traffic and right after D refuses a request. Also here,
+router's traffic; D takes every text prompt's ids from P's params (tokenize once) and tokenizes none of them; P's
+leased blocks return to 0 after the traffic and right after D refuses a request. Also here,
 on the same deployment: P's authentic but stale proofs (released, or past the lease) get 400 at D; a P and D with
 different KV tokens are found by pdserve's router before traffic and answered 503 naming the mismatch."""
 from __future__ import annotations
@@ -25,6 +26,7 @@ VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "
 pytestmark = pytest.mark.skipif(not os.access(VLLM_ROUTER, os.X_OK), reason="vllm-router is not installed")
 LEASE = 6.0  # P's kv_lease_seconds: a release within 2 s is never the expiry; the stale test waits it out
 COMMON = ("--kv-cache-memory-gb", "0.05", "--enable-debug-routes")
+TOOK_PS_IDS = "prompt tokens (P's, not tokenized here)"  # D's log line of a request that took P's prompt ids
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "import numpy as np\nx = np.arange(",
            "The quick brown fox " * 6]
 
@@ -116,11 +118,13 @@ def chat(url: str, stream: bool) -> str:
 
 def test_outputs_equal_collocated_and_decode_never_prefills(dep):
     router, d = dep["vllm"], dep["D"]
-    before = metrics(d.url)
+    before, handed = metrics(d.url), d.log().count(TOOK_PS_IDS)
     via = [complete(router.url, p, stream=s) for p in PROMPTS for s in (False, True)]
     via += [complete(router.url, [11, 22, 33, 44, 55, 66, 77])]  # a token-id prompt
     via_chat = [chat(router.url, s) for s in (False, True)]
     after = metrics(d.url)
+    # tokenize once: every text prompt's ids came from P (relayed in its params), none was tokenized on D
+    assert d.log().count(TOOK_PS_IDS) - handed == len(PROMPTS) * 2 + 2
     prefill_steps = [metric(m, "pdserve_cudagraph_steps_total", reason="prefill") for m in (before, after)]
     assert prefill_steps[1] == prefill_steps[0], "D prefilled for the router's traffic"
     received = [metric(m, "pdserve_kv_transfer_received_bytes_total") for m in (before, after)]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pdserve.sched_output import cdiv
+from pdserve.transfer.channel.prompt_ids import handoff_fields
 from pdserve.transfer.channel.proof import prompt_hash  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("pdserve.transfer")
@@ -37,14 +38,14 @@ def num_leased_tokens(config, req) -> int:
 def leased_params(config, port: int, tid: str, req, block_ids: list[int], block_size: int, **extra) -> dict:
     """The kv_transfer_params a producer answers for `req`'s lease `tid` (the engine adds the first token, when it
     goes too, and signs them): where D dials, what it reads, and for how long P holds it (seconds left, never an
-    absolute time)."""
+    absolute time); with the prompt's ids when its server gave their input's digest (prompt_ids.py)."""
     n = req.num_prompt_tokens
     return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
             "remote_engine_id": config.engine_id, "remote_request_id": req.request_id,
             "remote_host": config.kv_advertise_host or config.kv_host, "remote_port": port,
             "remote_block_ids": list(block_ids[:cdiv(num_leased_tokens(config, req), block_size)]),
             "num_prompt_tokens": n, "prompt_hash": prompt_hash(req.prompt_token_ids),
-            "lease_seconds": config.kv_lease_seconds, **extra}
+            "lease_seconds": config.kv_lease_seconds, **handoff_fields(req), **extra}
 
 
 @dataclass

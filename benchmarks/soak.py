@@ -15,7 +15,8 @@ Faults (seeded: their kinds, gaps, targets and sizes come from --seed; their out
   stop_short / stop_long: SIGSTOP a node, SIGCONT it later; short stalls last less than kv_transfer_timeout +
       kv_lease_seconds (the issue's target: 0 client errors from those), long ones more.
 
-Invariants: 0 wrong answers (text and finish_reason equal to the oracle's), 0 hangs (every request has a client-side
+Invariants: 0 wrong answers (text and finish_reason equal to the oracle's; `wrong_tokens` in the JSON counts answers
+with any token off), 0 hangs (every request has a client-side
 deadline, --deadline), every node's `/debug/kv` `invariants_ok` while it runs, 0 used blocks on every node at rest,
 0 crashes (no process died that the harness did not kill). Client-visible errors are counted by cause, with the
 faults they overlapped. Prints a table and writes a JSON file; exits 1 when an invariant broke.
@@ -538,6 +539,7 @@ class Soak:
     stop_traffic: threading.Event = field(default_factory=threading.Event)
     stop_all: threading.Event = field(default_factory=threading.Event)
     t_start: float = 0.0
+    wall_start: float = 0.0
 
     # -- deployment
     def env(self) -> dict:
@@ -862,7 +864,7 @@ class Soak:
         corpus_ids = self.tokenize_corpus()
         deadline = Deadline()
         oracle_cache: dict = {}
-        self.t_start = time.monotonic()
+        self.t_start, self.wall_start = time.monotonic(), time.time()
         threads = [threading.Thread(target=self.guarded, args=(self.monitor,), daemon=True, name="monitor"),
                    threading.Thread(target=self.guarded, args=(self.fault_loop,), daemon=True, name="faults")]
         threads += [threading.Thread(target=self.guarded, args=(self.client_loop, w, corpus_ids, oracle_cache,
@@ -925,6 +927,7 @@ class Soak:
         bad_inv = [n for n, s in rest["nodes"].items() if not s.get("invariants_ok")]
         out = {
             "name": a.name, "seed": a.seed, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "commit": _git_commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.wall_start)),
             "topology": a.topology, "first_token_modes": a.first_token, "duration_s": round(traffic_s, 1),
             "settings": {"fault_rate_per_min": a.fault_rate, "clients": a.clients, "deadline_s": a.deadline,
                          "kv_transfer_timeout": a.kv_transfer_timeout, "kv_lease_seconds": a.kv_lease_seconds,
@@ -961,11 +964,19 @@ class Soak:
         return out
 
 
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def print_table(s: dict) -> None:
     rows = [("duration", f"{s['duration_s']} s"), ("seed", s["seed"]), ("topology", s["topology"]),
             ("requests", f"{s['requests']} {s['requests_by_topology']}"),
             ("faults", f"{len(s['faults'])} {s['faults_by_kind']}"),
-            ("wrong tokens (answers)", s["wrong_tokens"]), ("hangs", f"{s['hangs']} (deadline "
+            ("wrong answers (any token off)", s["wrong_tokens"]), ("hangs", f"{s['hangs']} (deadline "
                                                                      f"{s['settings']['deadline_s']} s)"),
             ("leaked blocks at rest", s["leaked_blocks"] or 0),
             ("invariants broken", len(s["invariant_failures_running"]) + len(s["invariants_broken_at_rest"])),

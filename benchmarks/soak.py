@@ -16,14 +16,15 @@ Faults (seeded: their kinds, gaps, targets and sizes come from --seed; their out
       kv_lease_seconds (the issue's target: 0 client errors from those), long ones more.
 
 Invariants: 0 wrong answers (text and finish_reason equal to the oracle's; `wrong_tokens` in the JSON counts answers
-with any token off), 0 hangs (every request has a client-side
-deadline, --deadline), every node's `/debug/kv` `invariants_ok` while it runs, 0 used blocks on every node at rest,
-0 crashes (no process died that the harness did not kill). Client-visible errors are counted by cause, with the
+with any token off), 0 hangs (every request has a client-side deadline, --deadline), every node's `/debug/kv`
+`invariants_ok` while it runs, 0 used blocks on every node at rest, 0 crashes (no process died that the harness did
+not kill). Client-visible errors are counted by cause (HTTP status or error event, and the message), with the
 faults they overlapped. Prints a table and writes a JSON file; exits 1 when an invariant broke.
 
     python benchmarks/soak.py --duration 1800 --seed 1 --out benchmarks/results/soak_30min.json
 
-Every server binds 127.0.0.1 on a free port and leads its own process group (PR_SET_PDEATHSIG too); the harness ends
+Every server binds 127.0.0.1 on a free port (each P's fault proxy takes its KV port on 127.0.0.2, which P advertises)
+and leads its own process group (PR_SET_PDEATHSIG too); the harness ends
 them all on its way out, exception and Ctrl-C included.
 """
 from __future__ import annotations
@@ -997,7 +998,7 @@ FAULT_KINDS = ["proxy_delay", "proxy_truncate", "proxy_reset", "proxy_blackhole"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                  epilog="Exit status: 0 when every invariant held, 1 otherwise.")
     ap.add_argument("--duration", type=float, default=120, help="Seconds of traffic (default: 120).")
     ap.add_argument("--seed", type=int, default=0, help="Seeds the workload and the fault schedule (default: 0).")
@@ -1006,7 +1007,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--first-token", nargs="+", choices=["replay", "prefill"], default=["replay", "prefill"],
                     help="One router per topology and mode (--pd-first-token); a request picks one at random.")
     ap.add_argument("--fault-rate", type=float, default=1.2,
-                    help="Mean faults per minute, one at a time (default: 1.2, one per 50 s; 0: none).")
+                    help="Mean fault starts per minute of gap, one fault at a time (default: 1.2; 0: none). A gap is\n"
+                         "drawn (exponential, 2 s at least) after each fault ends, so long faults (a restart, a long\n"
+                         "stall) lower the achieved rate: the JSON has the faults that ran.")
     ap.add_argument("--faults", nargs="+", choices=FAULT_KINDS, default=FAULT_KINDS,
                     help="Fault kinds, dealt in seeded rounds of each kind once (default: all).")
     ap.add_argument("--long-stall-fraction", type=float, default=0.25,
@@ -1058,16 +1061,22 @@ def run_soak(argv=None) -> dict:
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="pdserve-soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     soak = Soak(a, log_dir)
-    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())) \
-        if threading.current_thread() is threading.main_thread() else None
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM and SIGINT both end the run through the teardown below (a shell starts a background job with
+        # SIGINT ignored, which Python would keep)
+        old = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         s = soak.run()
     finally:
         soak.stop_traffic.set()
         soak.stop_all.set()
         soak.teardown()
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     s["log_dir"] = str(log_dir)
     print_table(s)
     if a.out:

@@ -354,8 +354,8 @@ def make_request(rng: random.Random, idx: int, corpus_ids: list[int], max_prompt
     if endpoint == "chat":
         n = rng.randint(1, 3)
         body["messages"] = [{"role": "user" if i % 2 == 0 else "assistant",
-                             "content": " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))}
-                            for i in range(2 * n - 1)]
+                             "content": " ".join(rng.choice(words) for _ in range(rng.randint(1, 16)))}
+                            for i in range(2 * n - 1)]  # <= 80 words: prompt + max_tokens stay in max_model_len
         shape = "chat"
     elif rng.random() < 0.7:  # token ids: exact lengths, the block edges included
         kind = rng.choice(["1", "kB", "kB+1", "n", "n"])

@@ -760,8 +760,9 @@ class Soak:
                     pool = ds if kind == "kill_d" else ps
                     target = self.pick_busy(pool, rng) if kind == "kill_d" else rng.choice(pool)
                     f.target = target.name
-                    log(f"fault {kind}: SIGKILL {target.name}{' (streaming)' if target.name in self._busy else ''}")
-                    f.note = "mid-stream" if target.name in self._busy else "idle"
+                    busy = kind == "kill_d" and target.name in self._busy
+                    log(f"fault {kind}: SIGKILL {target.name}{' (streaming)' if busy else ''}")
+                    f.note = ("mid-stream" if target.name in self._busy else "idle") if kind == "kill_d" else ""
                     target.kill()
                     self.stop_all.wait(rng.uniform(0.5, 3))
                     target.restarts += 1

@@ -65,7 +65,11 @@ def cores(monkeypatch):
             made.append(self)
     monkeypatch.setattr(engine_core, "EngineCore", Recorded)
     monkeypatch.setattr(engine_backend, "EngineCore", Recorded)
-    monkeypatch.setattr(multiprocessing.context.SpawnContext, "Process", ThreadProcess)
+    real = multiprocessing.context.SpawnContext.Process
+
+    def process(*a, **kw):  # the engine's child only: the JSON body worker (serve/json_body.py) stays a process
+        return ThreadProcess(*a, **kw) if kw.get("name") == "pdserve-engine" else real(*a, **kw)
+    monkeypatch.setattr(multiprocessing.context.SpawnContext, "Process", staticmethod(process))
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # run_in_process's, for a main thread
     monkeypatch.setattr(request_context, "configure_logging", lambda level: None)
     return made

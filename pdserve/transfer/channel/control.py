@@ -202,9 +202,9 @@ class ControlServer:
                 if refused is None:
                     self.connections += 1
                     self._pending[host] = self._pending.get(host, 0) + 1
-            if refused is not None:
-                conn.close()
+            if refused is not None:  # counted before the close: whoever sees the close sees the count
                 self._refused(refused, host)
+                conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, host), name="kv-conn", daemon=True).start()
 

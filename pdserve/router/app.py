@@ -16,7 +16,9 @@ Lifecycle of a request:
 3. step 2, to a D that P's probe verifies on (below): the original request plus P's `kv_transfer_params` as P
    returned them, with P's own proof (D checks it; the router holds no KV token); a D that refuses the
    connection (down since the last health check) is taken out of rotation and the next D is tried; a P answer
-   without params (nothing to hand over) sends the original request to D alone, which prefills it locally;
+   without params (nothing to hand over) sends the original request to D alone, which prefills it locally; with
+   no D left (none healthy, or each failed before answering) a healthy P serves the request whole, the P that
+   prefilled it first (`--prefill-fallback`, on by default: a D down or stalled is not a client error);
 4. D's response, streamed or not, goes back to the client (a stream of one choice through router/splice.py,
    which follows its token ids); but D refusing P's params (a 400 on kv_transfer_params) is a deployment error,
    not the client's: the client gets a 502 naming it, and a proof that does not verify takes that P/D pair out
@@ -64,11 +66,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter,
+                               generate_latest)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.first_token import FirstToken
-from pdserve.router.migration import MAX_MIGRATIONS, Attempt, Migrator, asks_prompt_logprobs, is_reset, migrates
+from pdserve.router.migration import (MAX_MIGRATIONS, Attempt, Migrator, asks_prompt_logprobs, is_reset, migrates,
+                                      resume_body)
 from pdserve.router.nodes import Fleet, Node, error_of
 from pdserve.router.relay import error, reason, relay_answer
 from pdserve.router.splice import Splice
@@ -99,14 +103,17 @@ class Router(Fleet):
     max_body_bytes = MAX_BODY_BYTES  # --max-body-bytes: bodies are read as they stream in, up to this
 
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
-                 timeout: float = 600.0, pd_first_token: str = "replay", max_migrations: int = MAX_MIGRATIONS):
-        super().__init__(prefill, decode, policy, health_interval, timeout)
+                 timeout: float = 600.0, pd_first_token: str = "replay", max_migrations: int = MAX_MIGRATIONS,
+                 prefill_fallback: bool = True):
+        super().__init__(prefill, decode, policy, health_interval, timeout, prefill_fallback)
         self.pd_first_token = pd_first_token  # "prefill": P samples the first token, streamed to the client at once
         self.registry = CollectorRegistry()
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*, as a server's
             self.registry.register(c)
         self.ttft = TtftSplit(self.registry)
         self.migrator = Migrator(self, self.registry, max_migrations)  # answers moved off a failed node
+        self.on_fallback = Counter("pdserve_router_prefill_fallbacks", "Requests a prefill node served whole because "
+                                   "no decode node could take them", registry=self.registry).inc
         self._releases: set[asyncio.Task] = set()
 
 
@@ -204,9 +211,10 @@ class Router(Fleet):
         if not isinstance(body, dict):
             return error(400, "request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # only the router talks P/D to the nodes
-        if not any(n.healthy for n in self.decode.nodes):  # before P: a prefill no D can take only holds a lease
+        no_d = not any(n.healthy for n in self.decode.nodes)  # before P: a prefill no D can take only holds a lease
+        if no_d and not self.can_serve():
             return error(503, "no healthy decode node", "service_unavailable")
-        if (why := self.no_pair()) is not None:
+        if not no_d and (why := self.no_pair()) is not None:
             return error(503, why, "service_unavailable")
         t0 = time.monotonic()
         prompt = body.get("prompt")
@@ -216,7 +224,7 @@ class Router(Fleet):
         skip_p = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
             (isinstance(n, int) and not isinstance(n, bool) and n > 1) or \
             (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))) or \
-            asks_prompt_logprobs(body)
+            asks_prompt_logprobs(body) or no_d  # no D: a P serves it whole (`fallback`)
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:
@@ -256,11 +264,19 @@ class Router(Fleet):
                     media_type="text/event-stream", headers={"X-Request-Id": rid})
             tried: tuple = ()
             reset_once = None  # a D that reset a kept-alive connection: asked once more when no other D is left
+            reset_why = ""  # the last reset, answered 502 should no node be left
             while True:
                 node = self.decode_for(p_node if params else None, tried) or reset_once
                 reset_once = None
+                if node is None and (node := self.fallback(tried, prefer=p_node)) is not None:
+                    # no D left: this P serves the request whole (P's prefix cache holds the prompt it prefilled)
+                    self._release(p_node, d_body, rid, f"no decode node: served whole on {node.url}")
+                    d_body, params = resume_body(body, [], ask_ids=self.migrator.tracks(body)), None
                 if node is None:
-                    self._release(p_node, d_body, rid, "no healthy decode node")
+                    self._release(p_node, d_body, rid, reset_why or "no healthy decode node")
+                    if reset_why:
+                        logger.warning("[%s] %s: answered 502", rid, reset_why)
+                        return error(502, reset_why, "bad_gateway")
                     return error(503, "no healthy decode node", "service_unavailable")
                 node.in_flight += 1
                 req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
@@ -275,12 +291,14 @@ class Router(Fleet):
                     logger.warning("[%s] decode node %s refused the connection: out of rotation; trying another",
                                    rid, node.url)
                     continue
-                if not is_reset(failed) or node in tried:
+                if not is_reset(failed):
                     break
                 # reset before any byte of an answer (a kept-alive connection the node closed, e.g. after a stall
-                # past its keep-alive): nothing reached the client, so another D is asked, or this one once more
+                # past its keep-alive, or a node that died): nothing reached the client, so another D is asked, or
+                # this one once more, else a P
                 node.in_flight -= 1
-                sending, tried, reset_once = None, tried + (node,), node
+                sending, reset_once, tried = None, None if node in tried else node, tried + (node,)
+                reset_why = f"decode node {node.url} failed: {reason(failed)}"
                 logger.warning("[%s] decode node %s reset the connection before answering (%s); trying again", rid,
                                node.url, reason(failed))
         except asyncio.CancelledError:  # the router is shutting down
@@ -377,7 +395,7 @@ def build_app(router: Router) -> FastAPI:
 
     async def on_a_decode_node(request: Request, path: str) -> Response:
         """What every node answers alike (the model, its tokenizer): relayed from a healthy decode node."""
-        node = router.decode.pick()
+        node = router.decode.pick() or (router.prefill.pick() if router.prefill_fallback else None)
         if node is None:
             return error(503, "no healthy decode node", "service_unavailable")
         headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type", "x-request-id")}
@@ -407,8 +425,7 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = any(n.healthy for n in router.decode.nodes)
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if router.can_serve() else 503)
 
     @app.get("/nodes")
     async def nodes():

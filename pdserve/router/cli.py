@@ -35,6 +35,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "prefill node) from the tokens the client already has: no token is repeated or lost, and "
                         "greedy and seeded output equal an unbroken run; a whole answer is asked again. 0 turns "
                         "migration off: a stream whose node fails then ends with an error event.")
+    p.add_argument("--prefill-fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="With no healthy decode node (all down, stalled past a health check, or failing), a healthy "
+                        "prefill node serves requests whole, collocated, instead of the client getting 503 "
+                        "(default: on; counted in pdserve_router_prefill_fallbacks_total). A prefill node that "
+                        "decodes serves its prefills slower meanwhile: --no-prefill-fallback keeps prefill nodes "
+                        "to prefill and answers 503 while no decode node is up.")
     p.add_argument("--max-body-bytes", type=int, default=_router.MAX_BODY_BYTES,
                    help="Largest request body in bytes; a larger one is refused with 413 before it is read whole "
                         "or sent to a node (default: 16 MiB, as pdserve serve's).")
@@ -85,7 +91,8 @@ def run_router(args) -> int:
     check_router_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval,
-                            pd_first_token=args.pd_first_token, max_migrations=args.max_migrations)
+                            pd_first_token=args.pd_first_token, max_migrations=args.max_migrations,
+                            prefill_fallback=args.prefill_fallback)
     router.max_body_bytes = args.max_body_bytes
     exit_cleanly_after_signals()  # as `pdserve serve`: 0 after a clean SIGTERM, not 143
     uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())

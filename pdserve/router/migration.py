@@ -81,7 +81,7 @@ def next_node(fleet: Fleet, p_node: Optional[Node], tried: tuple, resumed: bool)
     """A D not tried yet (one P's proofs verify on, for P/D params); for a resumed request, else a P."""
     node = fleet.decode_for(p_node, tried)
     if node is None and resumed:
-        node = fleet.prefill.pick(tried)
+        node = fleet.fallback(tried)
     return node
 
 
@@ -130,6 +130,10 @@ async def _relay(m: Migrator, path: str, body: dict, d_body: dict, headers: dict
                 resumed = send is not d_body
                 node = next_node(fleet, p_node if not resumed and d_body.get("kv_transfer_params") else None, tried,
                                  resumed)
+                if node is None and not resumed and not splice.untracked and \
+                        (node := fleet.fallback(tried, prefer=p_node)) is not None:
+                    send, resumed = _resume(body, splice), True  # no D left: a P serves it whole from what the
+                    # client has (P's lease is released at the end: no D took it)
                 if node is None:
                     break
                 tried += (node,)

@@ -4,7 +4,9 @@ Invariants:
 - a node is out of rotation from a failed /health (or a refused connection, `Router.handle`) until it answers
   /health again; a P that went down and came back loses its P/D refusal hold (it may have been fixed);
 - a (P, D) pair is out of rotation only on a definite mismatch (D answers 409 to P's probe, or D says a proof did
-  not verify), never on a timeout or a 5xx, and goes back in as soon as a probe verifies.
+  not verify), never on a timeout or a 5xx, and goes back in as soon as a probe verifies;
+- with no D to take a request, a healthy P serves it whole (`fallback`; every node can decode) unless the router
+  was started with --no-prefill-fallback: a D down or stalled is never a client error while a P is up.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 
@@ -47,7 +49,11 @@ class Fleet:
     """The prefill and decode pools, their health loop and the pairs P's proofs fail on. `client` is the router's
     one HTTP client (tests swap it for a mock transport)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float, timeout: float):
+    def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float, timeout: float,
+                 prefill_fallback: bool = True):
+        self.prefill_fallback = prefill_fallback  # with no D left, a P serves the request whole (`fallback`)
+        self.on_fallback: Callable[[], None] = lambda: None  # counts a request a P serves whole for want of a D
+        self._falling_back = False  # logged once per spell without a D
         self.prefill = Pool([Node(u.rstrip("/")) for u in prefill], policy)
         self.decode = Pool([Node(u.rstrip("/")) for u in decode], policy)
         self.bad_pairs: dict[tuple[str, str], str] = {}  # (P url, D url) -> why P's proofs fail on that D
@@ -71,6 +77,9 @@ class Fleet:
                     logger.warning("node %s is %s", node.url, "back" if ok else "down: taken out of rotation")
                     node.refused_pd_until = 0.0  # back from a restart, perhaps with its P/D set-up fixed
                 node.healthy = ok
+            if self._falling_back and any(n.healthy for n in self.decode.nodes):
+                self._falling_back = False
+                logger.warning("a decode node is back: requests are served P/D again")
             await self.probe_pairs()
             await asyncio.sleep(self.health_interval)
 
@@ -108,6 +117,25 @@ class Fleet:
     def decode_for(self, p: Optional[Node], tried: tuple = ()) -> Optional[Node]:
         bad = () if p is None else tuple(d for d in self.decode.nodes if (p.url, d.url) in self.bad_pairs)
         return self.decode.pick(bad + tried)
+
+    def fallback(self, tried: tuple = (), prefer: Optional[Node] = None) -> Optional[Node]:
+        """A P to serve a request whole when no D is left to take it (`prefer`, the P that prefilled it and holds its
+        prompt in its prefix cache, first), or None (none left, or --no-prefill-fallback)."""
+        if not self.prefill_fallback:
+            return None
+        node = prefer if prefer is not None and prefer.healthy and prefer not in tried else self.prefill.pick(tried)
+        if node is not None:
+            self.on_fallback()
+            if not self._falling_back:
+                self._falling_back = True
+                logger.warning("no healthy decode node: prefill nodes serve requests whole (collocated) until one is "
+                               "back (--no-prefill-fallback answers 503 instead)")
+        return node
+
+    def can_serve(self) -> bool:
+        """Whether a request can be served at all: a healthy D, or a healthy P to fall back on."""
+        return any(n.healthy for n in self.decode.nodes) or \
+            self.prefill_fallback and any(n.healthy for n in self.prefill.nodes)
 
     def no_pair(self) -> Optional[str]:
         """Why no request can be served, when every healthy P's proofs fail on every healthy D (a deployment error:

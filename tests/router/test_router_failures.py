@@ -64,14 +64,14 @@ def routed(nodes: Nodes, prefill: list[str], max_migrations: int = 2):
     return client
 
 
-def d_raising(nodes: Nodes, exc: httpx.HTTPError, decode: list[str]) -> Router:
+def d_raising(nodes: Nodes, exc: httpx.HTTPError, decode: list[str], prefill_fallback: bool = True) -> Router:
     """A router whose requests to D (d.test) raise `exc` before any byte; every other call goes to `nodes`."""
     def transport(request):
         if request.url.host == "d.test" and request.url.path.startswith("/v1/"):
             exc.request = request
             raise exc
         return nodes(request)
-    router = Router([P1], decode, "round-robin", health_interval=3600)
+    router = Router([P1], decode, "round-robin", health_interval=3600, prefill_fallback=prefill_fallback)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
     return router
 
@@ -248,7 +248,7 @@ def test_a_client_gone_before_its_body_is_in_is_a_499_and_reaches_no_node():
 def test_a_decode_node_reset_without_a_reason_is_a_named_502_with_a_warning(caplog):
     """Issue 37 item 10: a kept-alive connection D resets before any byte raises an httpx error with no text; the
     client's 502 still names what failed, the body has OpenAI's `param`, and the router logs a WARNING."""
-    router = d_raising(Nodes({P1: ok_p}, ok_d), httpx.ReadError(""), [D])
+    router = d_raising(Nodes({P1: ok_p}, ok_d), httpx.ReadError(""), [D], prefill_fallback=False)
     with caplog.at_level("WARNING", logger="pdserve.router"), TestClient(build_app(router)) as c:
         r = c.post("/v1/completions", json={"prompt": "hello there"})
     err = r.json()["error"]

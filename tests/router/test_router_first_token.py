@@ -75,11 +75,13 @@ def stream_resp(*chunks: bytes, broken=False):
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=httpx.ByteStream(b"".join(chunks)))
 
 
-def routed(nodes: Nodes, decode=(D1,), mode="prefill", max_migrations=2):
+def routed(nodes: Nodes, decode=(D1,), mode="prefill", max_migrations=2, prefill_fallback=True):
     router = Router([P], list(decode), "round-robin", health_interval=3600, pd_first_token=mode,
-                    max_migrations=max_migrations)
+                    max_migrations=max_migrations, prefill_fallback=prefill_fallback)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
-    return TestClient(build_app(router))
+    client = TestClient(build_app(router))
+    client.router = router
+    return client
 
 
 def events(raw: str) -> list:

@@ -184,9 +184,9 @@ def test_a_single_d_that_resets_once_is_asked_once_more():
     assert len(calls) == 2
 
 
-def test_a_single_d_that_resets_twice_is_a_502():
+def test_a_single_d_that_resets_twice_is_a_502_without_prefill_fallback():
     nodes = Nodes(p_replay, {D1: lambda body: httpx.ReadError("Connection reset by peer")})
-    with routed(nodes, decode=(D1,), mode="replay") as c:
+    with routed(nodes, decode=(D1,), mode="replay", prefill_fallback=False) as c:
         r = c.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 502 and "ReadError" in r.json()["error"]["message"] or "reset" in r.text
     assert len([u for u, path, _ in nodes.calls if u == D1]) == 2

@@ -51,7 +51,7 @@ def test_router_refuses_before_prefill_when_no_decode_node_is_healthy():
     with socket.create_server(("127.0.0.1", 0)) as p_listener:  # a P that records whether anyone dialled it
         p_listener.settimeout(0.3)
         p_url = f"http://127.0.0.1:{p_listener.getsockname()[1]}"
-        router = Router([p_url], [f"http://127.0.0.1:{free_port()}"], "round-robin")
+        router = Router([p_url], [f"http://127.0.0.1:{free_port()}"], "round-robin", prefill_fallback=False)
         router.decode.nodes[0].healthy = False
         r = TestClient(build_app(router)).post("/v1/completions", json={"model": "m", "prompt": "hello there"})
         assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"]

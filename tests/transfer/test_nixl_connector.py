@@ -4,6 +4,7 @@ P and D engines run in this process, except where P must die mid-read: there P i
 posts (so the read stays in flight) and then SIGKILLed. Every scenario ends with both block pools whole."""
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -15,6 +16,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.serve.metrics import EngineCollector
 from pdserve.transfer.nixl import agent as nixl_agent
+from pdserve.transfer.nixl import notif
 from pdserve.transfer.channel import pool as tcp_pool
 from pdserve.transfer.nixl.agent import Transfer
 from pdserve.transfer.channel.proof import sign_params
@@ -199,13 +201,31 @@ def test_claimed_lease_is_held_past_expiry_and_reader_blocks_until_read_ends(pd,
         p.engine.step()
         # pinned: not freed at expiry
         assert set(pc.leases) == set(tids) and p.engine.scheduler.transfers.num_leased_blocks() > 0
-        dc.agent.notify(stuck[0].peer, tids[0].encode())  # the read's notification: P frees that lease now
+        # notifications that do not prove the claim free nothing, even from the claimant's agent name (issue 37
+        # item 5: anyone reaching P's NIXL listener can send one): the bare transfer id, the other read's MAC, one
+        # made for another nonce, one with a digit changed
+        read = {notif.transfer_id(t.notif): t for t in stuck}  # the reads were posted in any order
+        assert set(read) == set(tids)
+        good = read[tids[0]].notif
+        other_mac = read[tids[1]].notif.rpartition(b".")[2]
+        forged = [tids[0].encode(), tids[0].encode() + b"." + other_mac,
+                  notif.make(b"secret", tids[0], dc.agent.name, notif.new_nonce()),
+                  good[:-1] + (b"0" if good[-1:] != b"0" else b"1")]
+        unexpected = pc.stats.failures["nixl_unexpected_notification"]
+        for msg in forged:
+            dc.agent.notify(stuck[0].peer, msg)
+        end = time.monotonic() + 5
+        while pc.stats.failures["nixl_unexpected_notification"] < unexpected + len(forged):
+            assert time.monotonic() < end, "P did not see the forged notifications"
+            p.engine.step()
+        assert set(pc.leases) == set(tids), "a notification that does not verify freed a lease"
+        dc.agent.notify(stuck[0].peer, good)  # the read's notification: P frees that lease now
         end = time.monotonic() + 5
         while tids[0] in pc.leases and time.monotonic() < end:
             p.engine.step()
         assert tids[0] not in pc.leases and tids[1] in pc.leases
         expired = pc.nstats.counters["num_kv_expired_reqs"]
-        pc.producer.claims[tids[1]] = {w: (0.0, n) for w, (_, n) in pc.producer.claims[tids[1]].items()}
+        pc.producer.claims[tids[1]] = {w: (0.0, n, k) for w, (_, n, k) in pc.producer.claims[tids[1]].items()}
         p.engine.step()  # the claim's hold is over: D has given up on that read
         assert not pc.leases and pc.nstats.counters["num_kv_expired_reqs"] == expired + 1
         assert len(d.engine.scheduler.transfers.deferred_free) == 2  # D: the reads have not ended
@@ -358,3 +378,16 @@ def test_a_load_failing_before_its_claim_releases_the_lease_at_once(pd, collocat
     while pc.leases and time.monotonic() < end:
         p.engine.step() if p.engine.has_unfinished_requests() else time.sleep(0.01)
     assert not pc.leases  # released by D's done, long before their expiry
+
+
+@needs_nixl
+def test_a_nixl_producer_beyond_loopback_warns_that_reads_are_unencrypted(qwen3_tiny, monkeypatch, caplog):
+    """Issue 37 item 5: UCX does not encrypt, and kv_tls_* covers only the control channel: a NIXL P beyond loopback
+    says so at start-up (bound on loopback here, told it is not)."""
+    from pdserve.transfer.nixl import producer as nixl_producer
+    monkeypatch.setattr(nixl_producer, "is_loopback", lambda host: False)
+    caplog.set_level(logging.WARNING, logger="pdserve.transfer")
+    p = producer(qwen3_tiny)
+    p.engine.shutdown()
+    warned = [m for m in (r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) if "unencrypted" in m]
+    assert len(warned) == 1 and "UCX" in warned[0], warned

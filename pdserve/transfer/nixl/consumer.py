@@ -18,6 +18,7 @@ from typing import Optional
 
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, LoadJob
+from pdserve.transfer.nixl import notif
 from pdserve.transfer.nixl.agent import NixlError, Transfer
 from pdserve.transfer.nixl.peers import AgentPeers
 from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
@@ -48,7 +49,7 @@ class _Read:
 
 class NixlConsumer:
     def __init__(self, config, token: bytes, compat: dict, block_size: int, stats: TransferStats, nstats):
-        self.config, self.stats, self.nstats = config, stats, nstats
+        self.config, self.stats, self.nstats, self.token = config, stats, nstats, token
         self.tcp = TcpConsumer(config, token, compat, block_size, KVBlocks(), stats)
         self.pool, self.agent, self.peers = self.tcp.pool, None, None
         self._cv = threading.Condition()
@@ -119,10 +120,10 @@ class NixlConsumer:
             endpoint = self._endpoint(job.params)
             until = queued + self.config.kv_transfer_timeout
             claim = self.pool.call(*endpoint, until, lambda s: self._claim(s, endpoint, job, until))
-            name, src, deadline = claim
+            name, src, deadline, nonce = claim
             if time.monotonic() >= deadline:
                 raise TimeoutError("the deadline passed before the read was posted")
-            xfer = self.agent.read(name, src, job.dst_blocks, tid.encode())
+            xfer = self.agent.read(name, src, job.dst_blocks, notif.make(self.token, tid, self.agent.name, nonce))
             with self._cv:
                 self._reads.append(_Read(job, xfer, name, endpoint, queued, deadline))
                 self._cv.notify()
@@ -143,7 +144,7 @@ class NixlConsumer:
             with self._cv:
                 self._loading -= 1
 
-    def _claim(self, session, endpoint: tuple, job: LoadJob, until: float) -> tuple[str, list[int], float]:
+    def _claim(self, session, endpoint: tuple, job: LoadJob, until: float) -> tuple[str, list[int], float, str]:
         """P pins the lease for this agent and answers its own agent, the blocks and how long it holds them; P's
         agent is added on first sight (its metadata only ever travels over an authenticated session). Safe to redo:
         P counts one claim per agent."""
@@ -151,7 +152,8 @@ class NixlConsumer:
         session.send({"op": "claim", "transfer_id": tid, "agent": self.agent.name, "start": job.src_start,
                       "count": len(job.dst_blocks)})
         header, _ = session.recv(into=[])
-        if header.get("status") != "ok" or len(header.get("block_ids", ())) != len(job.dst_blocks):
+        if header.get("status") != "ok" or len(header.get("block_ids", ())) != len(job.dst_blocks) or \
+                not isinstance(header.get("notif_nonce"), str):
             raise ProtocolError(f"producer answered {header.get('status')!r} to the claim of transfer {tid}")
         name = str(header["agent"])
 
@@ -164,7 +166,8 @@ class NixlConsumer:
 
         self.peers.use(endpoint, name, fetch)
         # P's hold starts when the claim reaches it, after `sent`: this side gives up on the read first.
-        return name, [int(b) for b in header["block_ids"]], min(until, sent + float(header["hold_seconds"]))
+        return name, [int(b) for b in header["block_ids"]], min(until, sent + float(header["hold_seconds"])), \
+            header["notif_nonce"]
 
     def _tell_done(self, endpoint: Optional[tuple], tid: str) -> None:
         """P frees a claimed lease on `done` from its claimant (D will use nothing a read of it wrote); when this

@@ -3,7 +3,8 @@
 D's reads are one-sided: P neither sees nor can refuse them. What P knows comes over the authenticated control
 channel (a `claim` before D posts, a `done`) and from NIXL (the read's notification, sent once it completed), so a
 leased block stays pinned from a claim until its claimant's notification or `done`, or until the claim's hold ends
-(by then D has given up on the read and uses nothing it wrote).
+(by then D has given up on the read and uses nothing it wrote). A notification frees nothing unless its MAC verifies
+for the claim (nixl/notif.py): a peer that can reach P's NIXL listener cannot free blocks a read is in flight on.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Optional
 
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.channel.leases import LeaseTable, lease_ops, leased_params, num_leased_tokens
+from pdserve.transfer.nixl import notif
 from pdserve.transfer.nixl.consumer import NAME
 from pdserve.transfer.channel.blocks import TransferStats
-from pdserve.transfer.channel.control import MAX_CONNECTIONS, ControlServer
+from pdserve.transfer.channel.control import MAX_CONNECTIONS, ControlServer, is_loopback
 
 logger = logging.getLogger("pdserve.transfer")
 
@@ -26,10 +28,11 @@ class NixlProducer:
 
     def __init__(self, config, token: bytes, compat: dict, block_size: int, leases: LeaseTable,
                  stats: TransferStats):
-        self.config, self.block_size, self.leases, self.stats = config, block_size, leases, stats
+        self.config, self.block_size, self.leases, self.stats, self.token = config, block_size, leases, stats, token
         self.hold = config.kv_lease_seconds + config.kv_transfer_timeout
         self.agent, self.meta_served, self._lock = None, 0, threading.Lock()
-        self.claims: dict[str, dict[str, tuple[float, int]]] = {}  # tid -> {D agent: (hold ends, blocks claimed)}
+        # tid -> {D agent: (hold ends, blocks claimed, the claim's notification nonce)}
+        self.claims: dict[str, dict[str, tuple[float, int, str]]] = {}
         ops = {**lease_ops(leases), "done": self._done, "claim": self._claim, "nixl_meta": self._meta}
         self.server = ControlServer(
             config.kv_host, config.kv_port, token, compat, ops, tls=config.tls_server_context(),
@@ -39,6 +42,9 @@ class NixlProducer:
             max_connections=int(config.kv_connector_extra_config.get("max_connections", MAX_CONNECTIONS)))
         self.port = self.server.port
         logger.info("NIXL KV control server listening on %s:%d", config.kv_host, self.port)
+        if not is_loopback(config.kv_host):  # TLS (if set) covers the control channel, never what UCX moves
+            logger.warning("NIXL reads of this node's KV blocks cross the network unencrypted (UCX does not encrypt; "
+                           "kv_tls_* covers only the control channel): keep the KV network private to the deployment")
 
     def _meta(self, session, header: dict) -> None:
         with self._lock:
@@ -52,8 +58,9 @@ class NixlProducer:
             held = self.claims.setdefault(tid, {})
             lease = self.leases.leases.get(tid) if who in held else self.leases.pin(tid)  # a redo: pinned already
             ok = lease is not None and bool(who) and count > 0 and 0 <= start and start + count <= len(lease.block_ids)
-            if ok:
-                held[who] = (time.monotonic() + self.hold, count)
+            if ok:  # a redo keeps its nonce: a read posted under the first answer still proves itself
+                nonce = held[who][2] if who in held else notif.new_nonce()
+                held[who] = (time.monotonic() + self.hold, count, nonce)
             elif lease is not None and who not in held:
                 self.leases.unpin(tid)
             if not held:
@@ -62,7 +69,7 @@ class NixlProducer:
             session.send({"status": "expired" if lease is None else "error", "error": "bad claim"})
             return
         session.send({"status": "ok", "agent": self.agent.name, "block_ids": lease.block_ids[start:start + count],
-                      "hold_seconds": self.hold})
+                      "hold_seconds": self.hold, "notif_nonce": nonce})
 
     def _done(self, session, header: dict) -> None:
         tid = str(header.get("transfer_id", ""))
@@ -79,7 +86,7 @@ class NixlProducer:
                 return None
             if confirm:
                 self.leases.confirm(tid)
-            _, count = held.pop(who)
+            _, count, _ = held.pop(who)
             if not held:
                 del self.claims[tid]
             self.leases.unpin(tid)
@@ -89,15 +96,20 @@ class NixlProducer:
         """Engine thread: notifications of finished reads, and claims whose hold ran out."""
         for who, msgs in self.agent.notifs().items():
             for msg in msgs:
-                count = self._unclaim(msg.decode(errors="replace"), who, confirm=True)
-                if count is None:  # not from the agent that claimed it (or late): it proves nothing
+                tid = notif.transfer_id(msg)
+                with self._lock:
+                    claim = self.claims.get(tid or "", {}).get(who)
+                ok = claim is not None and notif.verifies(self.token, msg, who, claim[2])
+                count = self._unclaim(tid, who, confirm=True) if ok else None
+                if count is None:  # not the claimant's (forged, another agent's, or late): it proves nothing
                     self.stats.count("nixl_unexpected_notification")
                     continue
                 with self.stats.lock:
                     self.stats.bytes_sent += count * self.agent.num_regions * self.agent.chunk_bytes
         now = time.monotonic()
         with self._lock:
-            late = [(tid, who) for tid, held in self.claims.items() for who, (until, _) in held.items() if now > until]
+            late = [(tid, who) for tid, held in self.claims.items() for who, (until, _, _) in held.items()
+                    if now > until]
         for tid, who in late:
             self._unclaim(tid, who)
 

@@ -88,7 +88,11 @@ class ServerState:
         self.serving = OpenAIServing(self.engine, ModelInfo(
             self.names, self.tokenizer, info.vocab_size, info.max_model_len, self.generation_config,
             info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
-            self.cfg.max_waiting, self.max_num_seqs, kv_token=self.kv_token))
+            self.cfg.max_waiting, self.max_num_seqs, kv_token=self.kv_token,
+            trust_request_chat_template=self.cfg.trust_request_chat_template))
+        if self.cfg.trust_request_chat_template:
+            logger.warning("--trust-request-chat-template: requests' own chat templates are rendered (code from "
+                           "clients, run by this server): only for clients you trust")
         logger.info("engine ready: max_model_len=%d, %d KV blocks, device=%s, backend=%s, async scheduling %s",
                     info.max_model_len, info.num_blocks, info.device, self.cfg.engine_backend,
                     "on" if info.async_scheduling else "off")

@@ -9,8 +9,9 @@ of the proof and of the prompt hash then decide as they always did.
 The digest covers what decides the ids and nothing else, as the request's fields were validated (so a router that
 adds a field at its default, on one hop only, changes nothing): completions `prompt` (text only: a token-id prompt
 has its ids already) and add_special_tokens; chat `messages`, add_generation_prompt, continue_final_message,
-add_special_tokens and chat_template_kwargs (tools, documents and a request's own template are refused, so never
-rendered). A truncated prompt is not handed off (D could not tell P's cut ids from the prompt's).
+add_special_tokens and chat_template_kwargs (tools and documents are refused, so never rendered). A truncated
+prompt is not handed off (D could not tell P's cut ids from the prompt's), nor one with the request's own top-level
+chat_template (--trust-request-chat-template): D renders that itself.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def prompt_input_digest(kind: str, req) -> Optional[str]:
             return None
         fields = ["completion", req.prompt, req.add_special_tokens is not False]
     else:
+        if (req.model_extra or {}).get("chat_template") is not None:
+            return None
         fields = ["chat", req.messages, bool(req.add_generation_prompt), bool(req.continue_final_message),
                   bool(req.add_special_tokens), req.chat_template_kwargs or {}]
     try:

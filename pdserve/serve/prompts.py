@@ -24,6 +24,7 @@ class ModelInfo:
     max_num_seqs: int = 2**62  # bounds `n`
     # D: checks P's proof on the prompt ids P hands over (prompt_handoff.py); "" takes none
     kv_token: str = dataclasses.field(default="", repr=False)
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own template is rendered
 
 
 CHARS_PER_TOKEN = 32  # the default --max-prompt-chars is this many per token of max_model_len
@@ -94,6 +95,8 @@ def chat_prompt(req, info: ModelInfo, add_special_tokens: bool = False) -> tuple
     """`req`: a ChatRequest, or /tokenize's chat form (which has the same rendering fields), so both count alike."""
     conv = chat_conversation(req, info)
     kwargs = dict(req.chat_template_kwargs or {})
+    if (own := request_chat_template(req)) is not None:  # trusted (chat_conversation refuses it otherwise)
+        kwargs["chat_template"] = own
     try:
         text = info.tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
@@ -134,11 +137,28 @@ def chat_conversation(req, info: ModelInfo) -> list[dict]:
         chars += len(content) + 1
         check_chars(chars, info, "messages", "messages")
         conv.append({**m, "content": content})
-    if "chat_template" in (req.chat_template_kwargs or {}):  # a template is code the server would run, on its
-        # event loop: as the top-level field (protocol._NOT_SERVED), a request's own is refused
-        raise bad_request("chat_template_kwargs.chat_template: a request's own chat template is not served (the "
-                          "model's is used)", "chat_template_kwargs")
+    if request_chat_template(req) is not None and not info.trust_request_chat_template:
+        # a template is code the server would run (a nested loop can run for ever): only a trusted client's
+        param = "chat_template" if _top_level_template(req) is not None else "chat_template_kwargs"
+        raise bad_request(f"{param}: a request's own chat template is not rendered unless the server runs with "
+                          "--trust-request-chat-template (the model's is used without the field)", param)
     return conv
+
+
+def request_chat_template(req) -> Optional[str]:
+    """A chat request's own template (the top-level field, else chat_template_kwargs'), or None."""
+    own = _top_level_template(req)
+    if own is None:
+        own = (req.chat_template_kwargs or {}).get("chat_template")
+    if own is not None and not isinstance(own, str):
+        raise bad_request("chat_template: must be a string (a Jinja template)", "chat_template")
+    return own
+
+
+def _top_level_template(req):
+    """The top-level `chat_template` (a declared field of /tokenize's chat form, an extra one of a chat request)."""
+    own = getattr(req, "chat_template", None)
+    return own if own is not None else (getattr(req, "model_extra", None) or {}).get("chat_template")
 
 
 def truncated(prompts: list, k: Optional[int], side: Optional[str], info: ModelInfo) -> list:

@@ -31,7 +31,7 @@ _SAMPLING_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_c
 _NOT_SERVED = {"use_beam_search": (False,), "length_penalty": (1,), "logprob_token_ids": (),
                "prompt_embeds": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": (), "watermarking": (), "priority": (0,),
-               "repetition_detection": (), "thinking_token_budget": (), "chat_template": (),
+               "repetition_detection": (), "thinking_token_budget": (),
                "functions": ([],), "function_call": ("none",), "documents": ([],), "logits_processors": ([],)}
 
 
@@ -155,6 +155,8 @@ def _unsupported(req: _Common) -> None:
         raise bad_request("best_of: only 1 is supported", "best_of")
     if req.cache_salt == "":
         raise bad_request("cache_salt: must be a non-empty string", "cache_salt")
+    if not isinstance(req, ChatRequest) and (req.model_extra or {}).get("chat_template") is not None:
+        raise bad_request("chat_template: only chat completions take a chat template", "chat_template")
     if isinstance(req, CompletionRequest) and req.suffix:
         raise bad_request("suffix: not supported", "suffix")
     if isinstance(req, ChatRequest):

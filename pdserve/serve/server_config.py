@@ -34,6 +34,11 @@ class ServerConfig:
     engine_stall_timeout: float = _f(30.0, "/health answers 503 once the engine loop has left a liveness ping "
                                            "unanswered this many seconds (it answers between steps, so only a stuck or "
                                            "stopped loop takes that long).")
+    trust_request_chat_template: bool = _f(False, "Render a chat request's own Jinja template (`chat_template`, or "
+                                                  "`chat_template_kwargs.chat_template`) instead of refusing it "
+                                                  "with 400, as vLLM's flag: a template is code the server runs, "
+                                                  "and a hostile one can run for ever (on a translation thread); "
+                                                  "only for clients you trust.")
     enable_debug_routes: bool = _f(False, "Serve /debug/kv (KV block counts and the engine's invariant check).")
     engine_backend: EngineBackend = _f("process", "Where the engine loop runs: in its own process (its steps never "
                                                   "wait for the HTTP side's Python, and each step's outputs cross as "

@@ -39,9 +39,8 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False
     chat_template_kwargs: Optional[dict] = None
     return_token_strs: Optional[bool] = False
-    # declared so that they are refused rather than ignored: /v1/chat/completions serves neither
-    chat_template: Optional[str] = None
-    tools: Optional[list] = None
+    chat_template: Optional[str] = None  # rendered only with --trust-request-chat-template, as for chat completions
+    tools: Optional[list] = None  # declared so that it is refused rather than ignored
 
 
 class DetokenizeRequest(_Strict):
@@ -66,8 +65,6 @@ def tokenize(data: dict, info: ModelInfo) -> dict:
                 "add_generation_prompt" in req.model_fields_set:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")
-        if req.chat_template is not None:
-            raise bad_request("chat_template: a request's own chat template is not supported", "chat_template")
         if req.tools:
             raise bad_request("tools: tool and function calling are not supported", "tools")
         ids = chat_prompt(req, info, add_special_tokens=req.add_special_tokens)[0]

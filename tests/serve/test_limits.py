@@ -336,3 +336,39 @@ def test_a_body_parses_the_same_in_the_worker_and_here(raw):
     finally:
         json_body.stop()
     assert got == json_body.parse(raw)
+
+
+def test_a_requests_own_chat_template_is_refused_naming_the_flag(srv):
+    """vLLM's rule (issue 37 item 1): a request's template is code the server would run; refused unless the server
+    trusts its clients, in either place a request can put one, and on completions, which take none."""
+    c, _ = srv
+    own = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    for body, param in (({"chat_template": own}, "chat_template"),
+                        ({"chat_template_kwargs": {"chat_template": own}}, "chat_template_kwargs")):
+        r = c.post("/v1/chat/completions", json=CHAT | body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    r = c.post("/tokenize", json={"messages": CHAT["messages"], "chat_template": own})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "chat_template": own})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+def test_a_trusting_server_renders_the_requests_own_template(qwen3_tiny):
+    """--trust-request-chat-template: the request's template, not the model's, makes the prompt (the answer equals
+    a completions request for the text it renders), from either field; a template that fails is a 400."""
+    own = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    messages = [{"role": "user", "content": "def f(x):"}]
+    with server(qwen3_tiny, trust_request_chat_template=True) as (c, _):
+        plain = c.post("/v1/completions", json={"prompt": "<<def f(x):>>", "max_tokens": 6, "temperature": 0,
+                                                "add_special_tokens": False}).json()
+        ids = c.post("/tokenize", json={"prompt": "<<def f(x):>>", "add_special_tokens": False}).json()["tokens"]
+        assert c.post("/tokenize", json={"messages": messages, "chat_template": own}).json()["tokens"] == ids
+        for body in ({"chat_template": own}, {"chat_template_kwargs": {"chat_template": own}}):
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0, **body})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(ids)
+            assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                 "chat_template": "{{ raise_exception('no') }}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

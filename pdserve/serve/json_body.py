@@ -21,6 +21,7 @@ from typing import Optional
 OFFLOAD_BYTES = int(os.environ.get("PDSERVE_JSON_OFFLOAD_BYTES", 256 * 1024))
 # values in one body, all containers together: far above any request's needs (a token-id prompt of a 1M context)
 MAX_ITEMS = 1 << 20
+WORKER_NICE = 10  # the worker's niceness above the server's
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _pool: Optional[ProcessPoolExecutor] = None
 _users = 0
@@ -74,7 +75,9 @@ def start() -> None:
     global _pool, _users
     _users += 1
     if _pool is None and OFFLOAD_BYTES > 0:
-        _pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        # niced: its CPU is a big body's, and must not slow the engine's steps on a node with few cores
+        _pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
+                                    initargs=(WORKER_NICE,))
         _pool.submit(_worker_pid)
 
 

@@ -867,6 +867,7 @@ class Soak:
         deadline = Deadline()
         oracle_cache: dict = {}
         self.t_start, self.wall_start = time.monotonic(), time.time()
+        self.commit = _git_commit()  # the code the nodes run: HEAD when they started, not when the run ended
         threads = [threading.Thread(target=self.guarded, args=(self.monitor,), daemon=True, name="monitor"),
                    threading.Thread(target=self.guarded, args=(self.fault_loop,), daemon=True, name="faults")]
         threads += [threading.Thread(target=self.guarded, args=(self.client_loop, w, corpus_ids, oracle_cache,
@@ -929,7 +930,8 @@ class Soak:
         bad_inv = [n for n, s in rest["nodes"].items() if not s.get("invariants_ok")]
         out = {
             "name": a.name, "seed": a.seed, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "commit": _git_commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.wall_start)),
+            "commit": getattr(self, "commit", "") or _git_commit(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.wall_start)),
             "topology": a.topology, "first_token_modes": a.first_token, "duration_s": round(traffic_s, 1),
             "settings": {"fault_rate_per_min": a.fault_rate, "clients": a.clients, "deadline_s": a.deadline,
                          "kv_transfer_timeout": a.kv_transfer_timeout, "kv_lease_seconds": a.kv_lease_seconds,

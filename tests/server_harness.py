@@ -78,10 +78,17 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log()[-4000:]}")
 
+    def terminate(self) -> None:
+        """SIGTERM, not waited for (`cleanup_all` ends many servers at once); a later stop() only waits."""
+        if self.proc.poll() is None and not getattr(self, "terminated", False):
+            self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send `sig` to the server, wait for it; returns its exit code. Kills the group if it does not exit."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if not (sig == signal.SIGTERM and getattr(self, "terminated", False)):
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -105,6 +112,17 @@ class ServerProcess:
             self.kill()
         self.log_file.close()
         os.unlink(self.log_file.name)
+
+
+def cleanup_all(*procs) -> None:
+    """Ends servers and routers together: SIGTERM to each first (each drains and exits on its own, in parallel),
+    then each one's cleanup waits for it (a module's teardown took the sum of its servers' exits before)."""
+    for p in procs:
+        if p is not None and hasattr(p, "terminate"):
+            p.terminate()
+    for p in procs:
+        if p is not None:
+            p.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------------- P/D helpers
@@ -131,8 +149,13 @@ class RouterProcess:
             time.sleep(0.2)
         raise TimeoutError("router not healthy")
 
+    def terminate(self) -> None:
+        if self.proc.poll() is None and not getattr(self, "terminated", False):
+            self.proc.terminate()
+            self.terminated = True
+
     def cleanup(self):
-        self.proc.terminate()
+        self.terminate()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

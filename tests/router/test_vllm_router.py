@@ -21,6 +21,7 @@ import pytest
 
 from tests.server_harness import (REPO, RouterProcess, ServerProcess, _die_with_parent, complete,
                                   free_port, kv_config, kv_state, metric, metrics, wait_pools_whole)
+from tests.server_harness import cleanup_all
 
 VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = pytest.mark.skipif(not os.access(VLLM_ROUTER, os.X_OK), reason="vllm-router is not installed")
@@ -83,10 +84,7 @@ def dep(qwen3_tiny):
         routers["mismatch"].wait_healthy()
         yield {**s, **routers}
     finally:
-        for r in routers.values():
-            r.cleanup()
-        for srv in s.values():
-            srv.cleanup()
+        cleanup_all(*routers.values(), *s.values())
 
 
 def leased(dep) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from tests.router.test_vllm_router import VLLM_ROUTER, VllmRouter, chat, wait_no_lease
 from tests.server_harness import ServerProcess, complete, free_port, kv_config, metric, metrics, wait_pools_whole
+from tests.server_harness import cleanup_all
 
 COMMON = ("--kv-cache-memory-gb", "0.05", "--enable-debug-routes", "--max-model-len", "256", "--dtype", "float64")
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "The quick brown fox " * 6]
@@ -33,10 +34,7 @@ def dep(qwen3_tiny):
         router.wait_ready()
         yield {**s, "vllm": router}
     finally:
-        if router is not None:
-            router.cleanup()
-        for srv in s.values():
-            srv.cleanup()
+        cleanup_all(router, *s.values())
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}], ids=["greedy", "seeded"])

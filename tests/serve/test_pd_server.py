@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_harness import (RouterProcess, ServerProcess, complete, free_port, kv_config, metric, metrics,
                                   wait_pools_whole)
+from tests.server_harness import cleanup_all
 
 PROMPTS = [f"def function_{i}(x):\n    " + "return x + 1\n" * (i % 5) + "#" * i for i in range(16)]
 
@@ -39,10 +40,7 @@ def deployment(qwen3_tiny):
             r.wait_healthy()
         yield {**servers, **routers}
     finally:
-        for r in routers.values():
-            r.cleanup()
-        for s in servers.values():
-            s.cleanup()
+        cleanup_all(*routers.values(), *servers.values())
 
 
 def graph_steps(server) -> dict:

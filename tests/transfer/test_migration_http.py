@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, wait_pools_whole
+from tests.server_harness import cleanup_all
 
 COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
@@ -36,10 +37,7 @@ def dep(qwen3_tiny):
         s["replay"], s["prefill"] = routers
         yield s
     finally:
-        for r in routers:
-            r.cleanup()
-        for srv in ("P", "D1", "D2", "C"):
-            s[srv].cleanup()
+        cleanup_all(*routers, *(s[srv] for srv in ("P", "D1", "D2", "C")))
 
 
 def body_of(sampling: dict) -> dict:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, wait_pools_whole
+from tests.server_harness import cleanup_all
 
 COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
@@ -33,10 +34,7 @@ def dep(qwen3_tiny):
         s["R"] = router
         yield s
     finally:
-        if router is not None:
-            router.cleanup()
-        for srv in ("P", "D", "C"):
-            s[srv].cleanup()
+        cleanup_all(router, *(s[srv] for srv in ("P", "D", "C")))
 
 
 def ask(url, chat, stream, **extra):

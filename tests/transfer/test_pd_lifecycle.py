@@ -21,6 +21,7 @@ from pdserve.transfer.channel.proof import sign_params
 from pdserve.transfer.channel.proof import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, complete, free_port, kv_config, kv_state,
                                   metric, metrics, wait_pools_whole)
+from tests.server_harness import cleanup_all
 
 PROMPTS = [f"class Node{i}:\n    def __init__(self):\n" + "        self.x = 1\n" * (i % 4) + "#" * i for i in range(12)]
 STAGES = ("router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "total")
@@ -49,10 +50,7 @@ def dep(qwen3_tiny):
         s["routers"] = routers
         yield s
     finally:
-        for r in routers.values():
-            r.cleanup()
-        for name in ("P1", "P2", "D1", "D2", "C"):
-            s[name].cleanup()
+        cleanup_all(*routers.values(), *(s[name] for name in ("P1", "P2", "D1", "D2", "C")))
 
 
 def pools_whole(dep, *names):

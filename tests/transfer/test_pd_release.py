@@ -23,6 +23,7 @@ from pdserve.transfer.channel.proof import PROOF_FIELD, sign_params
 from pdserve.transfer.channel.proof import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, free_port, kv_config, kv_state, metric,
                                   metrics, wait_pools_whole)
+from tests.server_harness import cleanup_all
 
 LEASE = 30.0  # P's kv_lease_seconds: every release below must come well before it
 PROMPT = "def release(lease):\n    return lease.blocks  # " + "x" * 40
@@ -114,11 +115,8 @@ def dep(qwen3_tiny):
             r.wait_healthy()
         yield {**s, **routers, "fake": fake, "trap_port": trap_port, "kv_port": kv_port}
     finally:
-        for r in routers.values():
-            r.cleanup()
         fake.stop()
-        for srv in s.values():
-            srv.cleanup()
+        cleanup_all(*routers.values(), *s.values())
 
 
 def leased(dep) -> int:

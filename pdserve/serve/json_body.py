@@ -69,16 +69,16 @@ def _worker_pid() -> int:
 
 
 def start() -> None:
-    """Start the worker (a spawned process: the server has threads, so no fork) and warm it, so the first big body
-    does not wait for its start. One per process, shared by the servers in it (tests run several): each `start`
-    is matched by a `stop`, and the last stop ends it."""
+    """Make the worker's pool (a spawned process: the server has threads, so no fork). The process starts with the
+    first big body (most servers never get one, so its ~0.4 s of CPU is not spent at every start); that body waits
+    for it, the event loop does not. One per process, shared by the servers in it (tests run several): each
+    `start` is matched by a `stop`, and the last stop ends it."""
     global _pool, _users
     _users += 1
     if _pool is None and OFFLOAD_BYTES > 0:
         # niced: its CPU is a big body's, and must not slow the engine's steps on a node with few cores
         _pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
                                     initargs=(WORKER_NICE,))
-        _pool.submit(_worker_pid)
 
 
 def stop() -> None:

@@ -24,6 +24,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -159,8 +160,7 @@ def main() -> None:
     args = ap.parse_args()
     if not Path(args.model).is_dir():
         sys.exit(f"--model: {args.model} is not a model directory (make demo builds the default one)")
-    log_dir = Path(args.out).with_suffix("")
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="hostile_bodies-"))  # the server's log, kept for a look after
     dep = Deployment("hostile", log_dir)
     bodies = hostile_bodies(args.max_model_len)
     phases = {"quiet": [], "hostile": []}

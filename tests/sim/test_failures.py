@@ -11,6 +11,7 @@ from pdserve.sim.connector import TransferModel
 from pdserve.sim.run import build_nodes, parse_deployment, simulate
 from pdserve.sim.simulator import Simulator
 from pdserve.sim.trace import prompt_token_ids, random_trace
+from tests.sim.test_first_token import assert_done_and_whole
 
 
 def cfg(**kw) -> EngineConfig:
@@ -24,11 +25,7 @@ def run_pair(profile, trace, transfer, mode="replay", **kw):
                     lambda n, rec: prefill_rows.extend(r for r in rec.rows if r[1] == 0)
                     if n.name == "decode0" else None, mode)
     results, _ = sim.run(trace, [prompt_token_ids(t, 32000) for t in trace])
-    assert all(r.success for r in results) and [r.output_tokens for r in results] == [t.output_len for t in trace]
-    for node in prefill + decode:
-        node.scheduler.check_invariants()
-        assert not node.scheduler.requests and not node.scheduler.transfers.leased
-        assert node.kv.num_free_blocks() == node.kv.pool.num_blocks - 1, node.name
+    assert_done_and_whole(results, trace, prefill, decode)
     assert prefill[0].connector.open_leases == 0 and not prefill[0].connector.leases
     return fabric, prefill_rows
 

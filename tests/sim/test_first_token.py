@@ -18,6 +18,15 @@ def cfg(**kw) -> EngineConfig:
     return EngineConfig.from_kwargs("sim", **{"max_num_seqs": 16, "max_model_len": 1024, **kw})
 
 
+def assert_done_and_whole(results, trace, prefill, decode) -> None:
+    """Every request served to its length, and every node idle with its pool whole and its invariants held."""
+    assert all(r.success for r in results) and [r.output_tokens for r in results] == [t.output_len for t in trace]
+    for node in prefill + decode:
+        node.scheduler.check_invariants()
+        assert not node.scheduler.requests and not node.scheduler.transfers.leased
+        assert node.kv.num_free_blocks() == node.kv.pool.num_blocks - 1, node.name
+
+
 def test_strict_rule_d_stays_on_full_graphs_only_with_the_first_token_from_p(linear_profile):
     trace = random_trace(50, 200, 40, request_rate=10.0, range_ratio=0.5, seed=4)
     arms = {mode: simulate(trace, parse_deployment("1p1d"), cfg(full_graph_rule="strict"), linear_profile,
@@ -91,11 +100,7 @@ def test_first_token_mode_under_pressure_ends_every_lease(linear_profile):
                                           TransferModel(1e8, 0.002), 0.0, 0)
     sim = Simulator(prefill, decode, "round-robin", fabric, pd_first_token="prefill")
     results, _ = sim.run(trace, [prompt_token_ids(t, 32000) for t in trace])
-    assert all(r.success for r in results) and [r.output_tokens for r in results] == [t.output_len for t in trace]
-    for node in prefill + decode:
-        node.scheduler.check_invariants()
-        assert not node.scheduler.requests and not node.scheduler.transfers.leased
-        assert node.kv.num_free_blocks() == node.kv.pool.num_blocks - 1, node.name
+    assert_done_and_whole(results, trace, prefill, decode)
     assert prefill[0].connector.open_leases == 0
     # 48 tokens = 3 whole blocks: once D holds them all from the first load, later ones load nothing
     assert [f"same{i}" in decode[0].connector.load_times for i in range(4)] == [True, False, False, False]

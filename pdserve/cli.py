@@ -3,6 +3,7 @@ plan."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,22 @@ def _kv_transfer_config(args):
     return {**kv, **overrides}
 
 
+def _exit_without_teardown(rc: int) -> int:
+    """After the server has shut down: the exit handlers run and the streams are flushed, then the process leaves
+    without the interpreter's teardown, which with torch loaded took ~0.7 s of freeing objects nobody reads again
+    (every restart, rolling update and test waited for it)."""
+    import atexit
+    import logging
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
 def cmd_serve(args) -> int:
     import dataclasses
     from pdserve.config import EngineConfig
@@ -127,7 +144,7 @@ def cmd_serve(args) -> int:
     cfg.validate()
     engine_config = EngineConfig.from_kwargs(args.model_dir, kv_transfer_config=_kv_transfer_config(args),
                                              **_engine_kwargs(args))
-    return run_server(engine_config, cfg)
+    return _exit_without_teardown(run_server(engine_config, cfg))
 
 
 def _router_parser(sub) -> None:

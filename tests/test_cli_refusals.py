@@ -232,7 +232,7 @@ def test_null_kv_fields_are_their_defaults():
 
 
 def test_a_config_without_max_position_embeddings_loads(qwen3_tiny, tmp_path):
-    from pdserve.model.loader import read_hf_config
+    from pdserve.model.hf_config import read_hf_config
     cfg = json.loads((Path(qwen3_tiny) / "config.json").read_text())
     cfg.pop("max_position_embeddings")
     (tmp_path / "config.json").write_text(json.dumps(cfg))

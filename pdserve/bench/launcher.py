@@ -42,13 +42,27 @@ def _die_with_parent() -> None:
 
 
 def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still runs. Zombies do not count: a child reparented to an init that reaps
+    slowly (multiprocessing's resource tracker, in containers) stays a zombie for up to a second after it exited."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:  # no procfs: the signal probe's answer stands
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 @dataclass

@@ -20,7 +20,8 @@ from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
 from pdserve.core.step_pipeline import EngineStep, StepPipeline
-from pdserve.model.loader import check_model_dir, model_dims, read_json_file, resolve_dtype
+from pdserve.model.hf_config import check_model_dir, model_dims, read_json_file
+from pdserve.model.loader import resolve_dtype
 from pdserve.model.sampler import Logprob
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus

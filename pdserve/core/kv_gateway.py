@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
-from pdserve.model.loader import model_dims
+from pdserve.model.hf_config import model_dims
 from pdserve.transfer.channel.proof import NOT_VERIFIED, PROBE_LABEL, malformed, prompt_hash, sign_params, \
     verified_params
 

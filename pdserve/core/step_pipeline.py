@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from pdserve.core.errors import EngineDeadError
 from pdserve.model.layers import _warm_vml
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus
@@ -57,12 +58,6 @@ logger = logging.getLogger("pdserve.engine")
 # Failed steps in a row (none landed in between) after which the engine is dead whatever the error: a device that
 # fails every step in a way no marker names is no less a zombie. Above the one or two a bad request can cause.
 MAX_FAILED_STEPS = 8
-
-
-class EngineDeadError(RuntimeError):
-    """The engine can serve nothing more (vLLM's name): its device is unusable (device_errors.py) or MAX_FAILED_STEPS
-    steps failed in a row. Raised out of `step()`; the engine loop fails every request and reports itself dead
-    (/health 503, new requests 503), so a router or a supervisor replaces the node."""
 
 
 class EngineStep:

@@ -4,44 +4,14 @@ Q/K/V and gate/up projections are fused at load time: fewer, larger GEMMs per la
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.hf_config import ArchSpec, ModelDims
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.attention.torch_backend import TorchBackend
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """What an architecture name means for the shared decoder."""
-    qk_norm: bool
-
-
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
-    "LlamaForCausalLM": ArchSpec(qk_norm=False),
-}
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    max_positions: int
-    attention_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    rope: dict
 
 
 class DecoderLayer(nn.Module):

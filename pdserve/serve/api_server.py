@@ -24,7 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import pdserve
-from pdserve.model.loader import check_model_dir, read_json_file
+from pdserve.model.hf_config import check_model_dir, read_json_file
 from pdserve.sampling_params import SamplingParams
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.body import DRAIN_SLACK, read_body
@@ -44,7 +44,6 @@ _DRAIN_SLACK = DRAIN_SLACK
 
 class ServerState:
     def __init__(self, engine_config, cfg: ServerConfig):
-        from transformers import AutoTokenizer
         self.cfg = cfg
         self.model_dir = engine_config.model.model
         self.cache_config = engine_config.cache
@@ -54,6 +53,22 @@ class ServerState:
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)
+        self.metrics = ServerMetrics(self.names[0])
+        self.engine = AsyncEngine(engine_config, cfg.engine_backend, cfg.max_waiting, self.metrics, cfg.log_level)
+        self.engine.launch()  # the engine's process loads the model while this one loads the tokenizer
+        try:
+            self._load_tokenizer_and_defaults()
+        except BaseException:
+            self.engine.abandon()
+            raise
+        self.serving: Optional[OpenAIServing] = None
+        self.created = int(time.time())
+        self.startup_failed = False
+        self.engine_died = False
+        self.drain: Optional[asyncio.Future] = None  # started by the first SIGTERM/SIGINT
+
+    def _load_tokenizer_and_defaults(self) -> None:
+        from transformers import AutoTokenizer
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)  # the server's own: never the engine's
         except Exception as e:  # transformers' message runs over many lines and names no file
@@ -65,13 +80,6 @@ class ServerState:
             SamplingParams.from_generation_config(self.generation_config)
         except ValueError as e:
             raise ValueError(f"{gen_path}: the model's default sampling parameters are invalid: {e}") from None
-        self.metrics = ServerMetrics(self.names[0])
-        self.engine = AsyncEngine(engine_config, cfg.engine_backend, cfg.max_waiting, self.metrics, cfg.log_level)
-        self.serving: Optional[OpenAIServing] = None
-        self.created = int(time.time())
-        self.startup_failed = False
-        self.engine_died = False
-        self.drain: Optional[asyncio.Future] = None  # started by the first SIGTERM/SIGINT
 
     async def on_engine_ready(self, server=None) -> None:
         try:

@@ -69,13 +69,27 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ life cycle
 
+    def launch(self) -> None:
+        """The process backend's child starts building the engine now, before the event loop runs (the server loads
+        its tokenizer meanwhile); `start` attaches to it. A no-op for the thread backend."""
+        if self.backend == "process" and self._backend is None:
+            self._backend = ProcessBackend(self.engine_config, self._inbox, self.log_level)
+
+    def abandon(self) -> None:
+        """The server failed to start after `launch`: the engine's child goes with it."""
+        if isinstance(self._backend, ProcessBackend):
+            self._backend.proc.kill()
+            self._backend.proc.join(5)
+        self._backend = None
+
     def start(self) -> None:
         """Start the engine loop (it builds the engine); `ready` turns true when start-up is done."""
         self._loop = asyncio.get_running_loop()
         if self.backend == "thread":
             self._backend = ThreadBackend(self.engine_config, self._inbox, self._from_engine)
         else:
-            self._backend = ProcessBackend(self.engine_config, self._inbox, self._from_engine, self.log_level)
+            self.launch()
+            self._backend.attach(self._from_engine)
 
     @property
     def ready(self) -> bool:

@@ -40,25 +40,32 @@ class ThreadBackend:
 class ProcessBackend:
     """The engine loop in a child process: a writer thread sends the inbox's commands down one pipe (pickled: one
     message per request, small), a reader thread decodes what comes back up the other (one msgpack frame per step,
-    engine_messages.Wire) and hands it on."""
+    engine_messages.Wire) and hands it on.
 
-    def __init__(self, engine_config, inbox: QueueInbox, on_output: Callable[[Any], None], log_level: str):
+    The child starts at construction and the threads at `attach`: the server builds this before it loads its own
+    tokenizer, so the engine imports torch and loads the model meanwhile (start-up took the sum of the two); what the
+    child sends before `attach` waits in the pipe."""
+
+    def __init__(self, engine_config, inbox: QueueInbox, log_level: str):
         import multiprocessing as mp
         self.inbox = inbox
-        self.on_output = on_output
         ctx = mp.get_context("spawn")
-        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-        out_recv, out_send = ctx.Pipe(duplex=False)
+        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
+        self._out_recv, out_send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=run_in_process, name="pdserve-engine", daemon=True,
                                 args=(engine_config, cmd_recv, out_send, log_level))
         self.proc.start()
         cmd_recv.close()
         out_send.close()
-        self.threads = [_spawn(lambda: self._read(out_recv), "pdserve-engine-reader"),
-                        _spawn(lambda: self._write(cmd_send), "pdserve-engine-writer")]
+        self.threads: list[threading.Thread] = []
+
+    def attach(self, on_output: Callable[[Any], None]) -> None:
+        self.on_output = on_output
+        self.threads = [_spawn(lambda: self._read(self._out_recv), "pdserve-engine-reader"),
+                        _spawn(lambda: self._write(self._cmd_send), "pdserve-engine-writer")]
 
     def alive(self) -> bool:
-        return self.proc.is_alive() and all(t.is_alive() for t in self.threads)
+        return self.proc.is_alive() and bool(self.threads) and all(t.is_alive() for t in self.threads)
 
     def join(self, timeout: float) -> None:
         """Waits up to `timeout` s in all for the threads and the process; kills a process still there."""

@@ -15,7 +15,7 @@ import queue
 import time
 from typing import Any, Callable, Optional
 
-from pdserve.core.step_pipeline import EngineDeadError
+from pdserve.core.errors import EngineDeadError
 from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
     GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, Wire, record

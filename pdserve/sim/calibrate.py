@@ -34,7 +34,7 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
     """(shape, seconds) of every step of the grid on one engine; and the model facts a profile records."""
     from pdserve.config import EngineConfig
     from pdserve.core.engine import LLMEngine
-    from pdserve.model.loader import model_dims
+    from pdserve.model.hf_config import model_dims
     from pdserve.sampling_params import SamplingParams
     from pdserve.worker.model_runner import kv_bytes_per_block
     # capture sizes up to the largest prefill step of the grid, so mixed steps ride PIECEWISE where graphs are on

@@ -194,3 +194,26 @@ def test_a_dead_engine_ends_its_streams_with_an_error_and_the_server_exits_1(qwe
         assert not group_alive(srv.pgid), "a process of the server outlived it"
     finally:
         srv.cleanup()
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "generation_config.json"])
+def test_a_server_that_fails_after_its_engine_process_started_takes_it_along(qwen3_tiny, tmp_path, broken):
+    """The engine's process starts before the server loads its tokenizer and the model's defaults (they overlap):
+    when either is refused, the server exits 2 naming the file and its engine process is gone with it."""
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_tiny, model)
+    (model / broken).write_text('{"temperature": -1}' if broken == "generation_config.json" else "{not json")
+    srv = ServerProcess(str(model))
+    try:
+        assert srv.proc.wait(60) == 2
+        log = srv.log()
+        assert ("cannot load its tokenizer" if broken == "tokenizer.json" else
+                "default sampling parameters are invalid") in log, log[-2000:]
+        assert "Traceback" not in log, log[-3000:]
+        deadline = time.monotonic() + 5
+        while group_alive(srv.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(srv.pgid), "the engine process outlived the server"
+    finally:
+        srv.cleanup()

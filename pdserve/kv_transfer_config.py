@@ -65,6 +65,10 @@ class KVTransferConfig:
     kv_lease_seconds: float = 30.0
     kv_transfer_timeout: float = 10.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # D: the loads of the queue's head start before a step is scheduled, and the step waits up to this long (ms) for
+    # them, so a short pull joins this step instead of the next (one step less between P's answer and D's first
+    # token); the running requests' step waits that long at most, once per load. 0: never wait.
+    kv_load_wait_ms: float = 2.0
     # P: "prefill" puts the first token P sampled (with its logprobs) in every request's params, so D starts from it
     # with a plain decode step instead of replaying the last prompt token; "replay" (vLLM's way) only when the
     # router asks for it (pdserve's router with --pd-first-token prefill asks per request)
@@ -127,6 +131,10 @@ class KVTransferConfig:
         # what P signs into every request's params: a wrong type here would make D refuse them all (proof.malformed)
         if not isinstance(self.engine_id, str):
             raise ValueError(f"kv_transfer_config.engine_id must be a string, got {self.engine_id!r}")
+        v = self.kv_load_wait_ms
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1000:
+            raise ValueError(f"kv_transfer_config.kv_load_wait_ms must be a number of milliseconds in [0, 1000], "
+                             f"got {v!r}")
         for name in ("kv_lease_seconds", "kv_transfer_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):

@@ -158,10 +158,10 @@ def vllm_router_program() -> Optional[str]:
 
 
 def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve",
-           speculative_config: Optional[str] = None) -> None:
+           speculative_config: Optional[str] = None, kv_extra: Optional[dict] = None) -> None:
     """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`) or
     `first-token` (the default rule, the first token from P) behind `router` (pdserve, or vllm-router), with
-    `speculative_config` (JSON) on the node that decodes.
+    `speculative_config` (JSON) on the node that decodes and `kv_extra` merged into both nodes' KV configs.
     Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
     spec = [] if speculative_config is None else ["--speculative-config", speculative_config]
     arm = dep.arm
@@ -178,6 +178,7 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
     kv_port = free_port()
     producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
+    producer, consumer = {**producer, **(kv_extra or {})}, {**consumer, **(kv_extra or {})}
     rule = [] if arm in ("default", "first-token") else ["--full-graph-rule", arm]
     # first-token: P hands D its first token even to a router that does not ask (vllm-router); ours asks
     first = ["--pd-first-token", "prefill"] if arm == "first-token" else []

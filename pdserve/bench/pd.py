@@ -57,6 +57,9 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
                         "--speculative-config`), so the table shows strict / prompt-tail / default at K > 0.")
     p.add_argument("--server-args", default="", metavar="ARGS",
                    help="Extra flags for every `pdserve serve` (one string, e.g. '--max-num-seqs 64').")
+    p.add_argument("--kv-transfer-extra", default=None, metavar="JSON",
+                   help="Fields merged into every P/D node's --kv-transfer-config (a JSON object), e.g. "
+                        "'{\"kv_load_wait_ms\": 0}' to compare D without the early-load wait.")
     p.add_argument("--result-dir", default="bench-results/pd", help="Where runs, summary and plot go "
                                                                     "(default: bench-results/pd).")
     p.add_argument("--ready-timeout", type=float, default=180.0,
@@ -91,6 +94,19 @@ def _parse(args) -> tuple[list[str], list[float]]:
     if args.speculative_config is not None:
         from pdserve.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.from_flag(args.speculative_config)
+    if args.kv_transfer_extra is not None:
+        try:
+            extra = json.loads(args.kv_transfer_extra)
+        except ValueError as e:
+            raise ValueError(f"--kv-transfer-extra: not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--kv-transfer-extra must be a JSON object")
+        from pdserve.kv_transfer_config import KVTransferConfig
+        try:  # a wrong field fails here, not in every arm's start-up
+            KVTransferConfig.from_dict({"kv_connector": "TcpConnector", "kv_role": "kv_consumer", **extra})
+        except ValueError as e:
+            raise ValueError(f"--kv-transfer-extra: {e}") from None
+        args.kv_transfer_extra = extra
     try:
         args.server_args = shlex.split(args.server_args)
     except ValueError as e:
@@ -150,7 +166,7 @@ def run_bench_pd(args) -> int:
             t0 = time.monotonic()
             print(f"[bench pd] {arm}: starting", flush=True)
             dep = Deployment(arm, out / "logs")  # before any spawn: the finally sees every child started
-            launch(dep, model, args.server_args, token, args.router, args.speculative_config)
+            launch(dep, model, args.server_args, token, args.router, args.speculative_config, args.kv_transfer_extra)
             dep.wait_healthy(args.ready_timeout)
             print(f"[bench pd] {arm}: healthy in {time.monotonic() - t0:.1f} s ({dep.url})", flush=True)
             for i, rate in enumerate(rates):

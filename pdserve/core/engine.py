@@ -85,6 +85,7 @@ class LLMEngine:
             self.connector.register_kv_caches(self.runner.kv_caches)
         policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
         self.gateway = KVGateway(config.kv_transfer, self.connector)
+        self.kv_load_wait = config.kv_transfer.kv_load_wait_ms / 1000 if config.kv_transfer else 0.0
         transfers = KVTransfers(self.kv, self.connector, policy, sign=self.gateway.sign)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.speculative_config, transfers)
         self.generation_config = _read_json(Path(mc.model) / "generation_config.json")

@@ -31,7 +31,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.request import Request, RequestStatus
-from pdserve.sched_output import NO_DRAFTS, ScheduledRow, SchedulerOutput
+from pdserve.sched_output import NO_DRAFTS, ScheduledRow, SchedulerOutput, cdiv
 from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.ngram_proposer import NgramProposer
 
@@ -86,6 +86,30 @@ class Scheduler:
         self.waiting.extendleft(recompute)  # each to the front in turn: they came before what arrived while loading
         self.waiting.extendleft(req for req, _ in failed)  # finish_request takes them from there
         return [self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, why) for req, why in failed]
+
+    def start_loads(self) -> bool:
+        """Before `schedule()`: the queue's head requests whose prompt KV a connector loads start loading now rather
+        than after this step's rows were scheduled, so a short load can end in time for this step (step_pipeline's
+        kv_load_wait). Only what `schedule()` would start itself (a free seat, strictly in order), and only while the
+        free blocks still cover every running row's next slots beside it: never the cause of a preemption. Returns
+        whether a load started."""
+        started = False
+        seats = self.config.max_num_seqs
+        bs = self.kv.block_size
+        lookahead = self.num_lookahead(self.running[0]) if self.spec is not None and self.running else 0
+        reserve = len(self.running) * (1 + cdiv(1 + lookahead, bs))  # each row's next tokens, a block boundary apart
+        while self.waiting and not self.transfers.ready and len(self.running) < seats:
+            req = self.waiting[0]
+            if not (req.kv_transfer_params or {}).get("do_remote_prefill") or req.kv_load_tried or \
+                    self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + self.num_lookahead(req), bs):
+                break
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            if self.transfers.start_load(req, hits, num_hit, self.num_lookahead(req)) != "loading":
+                break  # "blocked" (no blocks yet) or prefilled here: schedule() decides, as it would have
+            self.waiting.popleft()
+            self._count_lookup(req, num_hit, req.num_importable_tokens - num_hit)
+            started = True
+        return started
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -71,6 +71,7 @@ class EngineStep:
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         transfer_outputs = self._poll_transfers()
+        transfer_outputs += self._load_early()
         out = self._schedule()
         if not out.rows:
             return self._idle(transfer_outputs)
@@ -98,20 +99,42 @@ class EngineStep:
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, then the KV connector's loads it made (started in the background)."""
-        eng = self.engine
-        out = eng.scheduler.schedule()
-        if eng.connector is not None:
-            meta = eng.connector.build_connector_meta()
-            now = time.monotonic()
-            for job in meta.loads:
-                if job.dst_blocks:  # not a bare `done` for a prompt D had cached: the request waits for this one
-                    eng.output_processor.states[job.request_id].metrics.kv_load_start_time = now
-            if any(job.dst_blocks for job in meta.loads):
-                # a load may be handed blocks freed while the step in flight still writes them (an abort, a stop
-                # string): it starts once that step ran (which step() waits for next anyway)
-                self.wait()
-            eng.connector.start_load_kv(meta)
+        out = self.engine.scheduler.schedule()
+        self._start_loads()
         return out
+
+    def _start_loads(self) -> list[str]:
+        """The loads the scheduler made since the last call, started in the background; returns their request ids."""
+        eng = self.engine
+        if eng.connector is None:
+            return []
+        meta = eng.connector.build_connector_meta()
+        now = time.monotonic()
+        loads = [job.request_id for job in meta.loads if job.dst_blocks]  # not a bare `done` for a prompt D had
+        for rid in loads:  # cached: the request waits for these
+            eng.output_processor.states[rid].metrics.kv_load_start_time = now
+        if loads:
+            # a load may be handed blocks freed while the step in flight still writes them (an abort, a stop
+            # string): it starts once that step ran (which step() waits for next anyway)
+            self.wait()
+        eng.connector.start_load_kv(meta)
+        return loads
+
+    def _load_early(self) -> list[RequestOutput]:
+        """D: the queue head's loads start before this step is scheduled (Scheduler.start_loads), and the step waits
+        up to kv_load_wait_ms for them: a short pull then runs its request in this step rather than the next."""
+        eng = self.engine
+        if eng.connector is None or not eng.scheduler.start_loads():
+            return []
+        loading = eng.scheduler.transfers.loading
+        pending = [rid for rid in self._start_loads() if rid in loading]
+        deadline = time.monotonic() + eng.kv_load_wait
+        outputs = []
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            outputs += self._poll_transfers()
+            pending = [rid for rid in pending if rid in loading]
+        return outputs
 
     def _idle(self, transfer_outputs: list[RequestOutput]) -> list[RequestOutput]:
         if self.engine.has_unfinished_requests() and not transfer_outputs:

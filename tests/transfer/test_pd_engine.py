@@ -525,6 +525,12 @@ def test_config_errors_name_the_field(qwen3_tiny):
     with pytest.raises(ValueError, match="without kv_auth_token"):
         LLM(qwen3_tiny, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer",
                                             "kv_host": "0.0.0.0"}, **ENGINE)
+    from pdserve.kv_transfer_config import KVTransferConfig
+    base = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer"}
+    for bad in (-0.001, 1000.5, True, "2"):
+        with pytest.raises(ValueError, match="kv_load_wait_ms must be a number of milliseconds"):
+            KVTransferConfig.from_dict({**base, "kv_load_wait_ms": bad})
+    assert KVTransferConfig.from_dict({**base, "kv_load_wait_ms": 0}).kv_load_wait_ms == 0
 
 
 # ---- TLS -----------------------------------------------------------------------------------------------------
@@ -741,3 +747,57 @@ def test_a_stopping_decode_node_still_tells_p_done_for_what_it_aborted(pd):
     assert not p.engine.connector.leases
     drain(p)
     assert_whole(p)
+
+
+@pytest.mark.parametrize("wait_ms", [0, 1000])
+def test_a_load_started_before_the_step_joins_it(qwen3_tiny, collocated, wait_ms):
+    """kv_load_wait_ms: D starts the queue head's load before it schedules the step and waits for it, so the
+    request's replay runs in the very step that started its load (its first token comes out of D's first step);
+    with 0 the step never waits, so the token comes a step later. Tokens equal collocated either way."""
+    p, d = producer(qwen3_tiny, free_port()), consumer(qwen3_tiny, kv_load_wait_ms=wait_ms)
+    try:
+        prompts = PROMPTS[1:3]  # 3 and 9 lines: 2 and k blocks of KV to pull
+        params = prefill_on(p, prompts)
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        for i, (prompt, kp) in enumerate(zip(prompts, params)):
+            d.engine.add_request(prompt, sp, request_id=f"d{i}", kv_transfer_params=kp)
+        first = {o.request_id: o.outputs[0].token_ids for o in d.engine.step()}
+        if wait_ms:
+            assert {rid: len(t) for rid, t in first.items()} == {"d0": 1, "d1": 1}, first
+        else:
+            assert not any(first.values()), first
+        done = drain(d)
+        assert [done[f"d{i}"].outputs[0].token_ids for i in range(2)] == collocated[1:3]
+        drain(p)
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()
+
+
+def test_a_load_waits_for_no_block_a_running_request_needs(qwen3_tiny, monkeypatch):
+    """Early loads never take the blocks the running rows need next (they would be preempted for it): with the
+    pool short, the load is left to schedule(), which allocates after the running rows."""
+    p, d = producer(qwen3_tiny, free_port()), consumer(qwen3_tiny, kv_load_wait_ms=1000)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        d.engine.add_request("import os\n", sp, request_id="running")
+        d.engine.step()
+        assert d.engine.scheduler.running
+        params = prefill_on(p, [PROMPTS[2]])
+        d.engine.add_request(PROMPTS[2], sp, request_id="remote", kv_transfer_params=params[0])
+        bs, req = d.engine.kv.block_size, d.engine.scheduler.waiting[0]
+        need = -(-(req.num_tokens + 1) // bs)  # the prompt's blocks and the replay's slot
+        reserve = 2  # the running row's next slot, a block boundary apart
+        monkeypatch.setattr(d.engine.kv, "num_free_blocks", lambda: need + reserve - 1)
+        assert not d.engine.scheduler.start_loads()
+        assert "remote" not in d.engine.scheduler.transfers.loading
+        monkeypatch.setattr(d.engine.kv, "num_free_blocks", lambda: need + reserve)
+        assert d.engine.scheduler.start_loads() and "remote" in d.engine.scheduler.transfers.loading
+        monkeypatch.undo()
+        drain(d)
+        drain(p)
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()

@@ -1,0 +1,119 @@
+"""Where P/D's first-token path spends its time at low load, hop by hop, on loopback (issue 35).
+
+One 1P1D deployment (P with `--pd-first-token prefill`, pdserve's router asking for it) beside a collocated server,
+all on the tiny model. Sequential requests (one at a time, so no queue), the kinds interleaved round-robin:
+  collocated  a streamed completion straight to the collocated server: TTFT;
+  p_plain     P's own answer to a plain non-streamed completion with max_tokens 1 (P's HTTP + engine round trip);
+  p_pd        the same with `kv_transfer_params` asking for the first token (what the router sends P: + lease,
+              signing, the first token's params);
+  router      a streamed completion through the router: TTFT (the client's first token is P's) and the gap to the
+              second token (D's first: the hand-off, D's admission, the KV pull, D's step).
+Prompts are fresh random token ids (no prefix-cache hit). Medians and p90s in ms, differences against collocated.
+
+    .venv/bin/python benchmarks/pd_hops.py            # ~1 min
+Writes benchmarks/results/pd_hops.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench.launcher import Deployment, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "pd-hops-bench"
+
+
+def stream(client: httpx.Client, url: str, body: dict) -> list[float]:
+    """Seconds from send to each chunk that carries token ids."""
+    t0, times = time.perf_counter(), []
+    with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("token_ids"):
+                times.append(time.perf_counter() - t0)
+    return times
+
+
+def whole(client: httpx.Client, url: str, body: dict) -> float:
+    t0 = time.perf_counter()
+    r = client.post(url + "/v1/completions", json=body)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def pct(v: list[float], q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="Model dir (default: the tiny qwen3 model, built if missing).")
+    ap.add_argument("--requests", type=int, default=40, help="Requests of each kind (default: 40).")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pd_hops.json"))
+    args = ap.parse_args()
+    if args.model is None:
+        from pdserve.model.make_model import ensure_model
+        args.model = str(ensure_model("qwen3", "tiny", 0))
+    env = {"PDSERVE_KV_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    serve = ["serve", args.model, "--log-level", "warning", "--max-model-len", "1024"]
+    kv_port = free_port()
+    producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
+    consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
+    dep = Deployment("hops", Path(tempfile.mkdtemp(prefix="pd-hops-")))
+    try:
+        coll = dep.spawn("collocated", serve, free_port(), env)
+        p = dep.spawn("prefill", [*serve, "--pd-first-token", "prefill", "--kv-transfer-config",
+                                  json.dumps(producer)], free_port(), env)
+        d = dep.spawn("decode", [*serve, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
+        router = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--pd-first-token", "prefill",
+                                      "--log-level", "warning"], free_port(), env)
+        dep.wait_healthy(180)
+        rng = random.Random(0)
+        base = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        res: dict[str, list[float]] = {k: [] for k in ("collocated", "p_plain", "p_pd", "router", "router_gap")}
+        with httpx.Client(timeout=60) as c:
+            for i in range(args.requests + 3):  # 3 warm-up rounds, not kept
+                keep = i >= 3
+                prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(4)]
+                t = stream(c, coll, {**base, "prompt": prompts[0]})
+                a = whole(c, p, {**base, "prompt": prompts[1], "max_tokens": 1})
+                b = whole(c, p, {**base, "prompt": prompts[2], "max_tokens": 1, "stream": False,
+                                 "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
+                r = stream(c, router, {**base, "prompt": prompts[3]})
+                if keep:
+                    res["collocated"].append(t[0])
+                    res["p_plain"].append(a)
+                    res["p_pd"].append(b)
+                    res["router"].append(r[0])
+                    res["router_gap"].append(r[1] - r[0])
+                time.sleep(0.05)
+    finally:
+        dep.stop()
+    summary = {k: {"median_ms": statistics.median(v) * 1e3, "p90_ms": pct(v, 0.9) * 1e3} for k, v in res.items()}
+    for k, s in summary.items():
+        print(f"{k:>11}: median {s['median_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    Path(args.out).write_text(json.dumps({"commit": commit, "cpus": os.cpu_count(), "args": vars(args),
+                                          "summary": summary, "raw_s": res}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

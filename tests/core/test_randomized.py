@@ -25,7 +25,7 @@ from tests.fuzz.harness import campaign, fakes, quiet, summary, tolerated
 SEED = int(os.environ.get("PDSERVE_FUZZ_SEED", "20251"))
 COUNT = int(os.environ.get("PDSERVE_FUZZ_COUNT", "3000"))
 SOAK = float(os.environ.get("PDSERVE_FUZZ_SOAK_SECONDS", "0"))
-CI_SECONDS = 20.0  # a slow machine runs fewer of the COUNT workloads rather than overrun make test's budget
+CI_SECONDS = 12.0  # a slow machine runs fewer of the COUNT workloads rather than overrun make test's budget
 
 
 @pytest.mark.timeout(int(SOAK) + 900 if SOAK else 300)

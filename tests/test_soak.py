@@ -26,9 +26,9 @@ def load_soak():
 
 
 # The 2-3 minute seed-fixed run: ~2 min of wall time on 2 shared cores (~15 s to start 7 servers and 4
-# routers, 84 s of traffic, which a kill's restart may stretch, then at rest and teardown). Seed 29 deals kill_d
+# routers, 96 s of traffic, which a kill's restart may stretch, then at rest and teardown). Seed 29 deals kill_d
 # first (then proxy_reset, stop, proxy_delay, kill_p, ...), so a decode node killed while it streams is always in it.
-ARGV = ["--duration", "84", "--seed", "29", "--fault-rate", "20", "--fault-window", "4", "--short-stall-max", "3",
+ARGV = ["--duration", "96", "--seed", "29", "--fault-rate", "20", "--fault-window", "4", "--short-stall-max", "3",
         "--long-stall-fraction", "0", "--clients", "4", "--deadline", "90", "--name", "ci"]
 
 

@@ -20,6 +20,7 @@ from pdserve.core.output_processor import OutputProcessor
 from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
 from pdserve.core.step_pipeline import EngineStep, StepPipeline
+from pdserve.core.tokenizer import load_tokenizer
 from pdserve.model.hf_config import check_model_dir, model_dims, read_json_file
 from pdserve.model.loader import resolve_dtype
 from pdserve.model.sampler import Logprob
@@ -131,7 +132,8 @@ class LLMEngine:
                                                   self.dtype, bs))
 
     def _eos_ids(self) -> frozenset[int]:
-        eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)
+        gc = self.generation_config  # not .get(key, default): the tokenizer's attribute would load transformers
+        eos = gc["eos_token_id"] if "eos_token_id" in gc else self.tokenizer.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         return frozenset(e for e in eos if e is not None)
 
@@ -380,11 +382,6 @@ class LLMEngine:
 
 _NO_IMPORTED_PROMPT_LOGPROBS = ("prompt_logprobs: not with imported KV (a P/D decode node's or the arrival driver's): "
                                 "the prompt's logits are computed where its KV is")
-
-
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _read_json(path: Path) -> dict:

@@ -273,7 +273,7 @@ def test_cache_salt_shares_prefix_blocks_only_within_a_salt(qwen3_tiny):
 def test_bad_words_outside_the_models_vocabulary_are_refused(llm, monkeypatch):
     """A tokenizer larger than the model's vocabulary: a bad word it tokenizes past the logits is refused at
     add_request, not an IndexError that fails the step."""
-    tok = type(llm.engine.tokenizer)
+    tok = type(getattr(llm.engine.tokenizer, "hf", llm.engine.tokenizer))  # transformers' (the lazy one's, loaded)
     monkeypatch.setattr(tok, "encode", lambda self, text, add_special_tokens=False: [llm.engine.vocab_size + 3])
     with pytest.raises(ValueError, match="bad_words: token id"):
         llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, bad_words=["w"]))

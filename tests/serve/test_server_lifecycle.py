@@ -105,7 +105,8 @@ def test_process_backend_sigint(qwen3_tiny):
                         "--max-model-len", "512", "--num-gpu-blocks-override", "128", "--engine-stall-timeout", "1")
     try:
         srv.wait_healthy()
-        assert srv.seen_503_before_ready  # the socket opens before the engine process is up: /health said 503
+        # (whether /health said 503 before the engine was up depends on which start-up ends first: the engine's
+        # process is launched before the server loads its tokenizer; a stopped engine's 503 is checked below)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "import os", "max_tokens": 5, "temperature": 0,
                                                           "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

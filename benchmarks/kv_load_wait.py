@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,11 +82,7 @@ def main() -> int:
               f"{d['median_ttft_ms']:>12.1f} {d['ttft_vs_collocated']:>6.2f} {d['p99_itl_ms']:>7.1f} | "
               f"{f['median_ttft_ms']:>12.1f} {f['ttft_vs_collocated']:>6.2f} {f['p99_itl_ms']:>7.1f} "
               f"{s['first_token_p99_itl_vs_default']:>9.2f}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    Path(args.out).write_text(json.dumps({"commit": commit, "cpus": os.cpu_count(), "args": vars(args),
-                                          "summary": summary, "runs": runs}, indent=1))
-    print(f"wrote {args.out}")
+    write_result(args.out, args, summary=summary, runs=runs)
     return 0
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,9 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.launcher import Deployment, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "pd-hops-bench"
@@ -107,11 +108,7 @@ def main() -> int:
     summary = {k: {"median_ms": statistics.median(v) * 1e3, "p90_ms": pct(v, 0.9) * 1e3} for k, v in res.items()}
     for k, s in summary.items():
         print(f"{k:>11}: median {s['median_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    Path(args.out).write_text(json.dumps({"commit": commit, "cpus": os.cpu_count(), "args": vars(args),
-                                          "summary": summary, "raw_s": res}, indent=1))
-    print(f"wrote {args.out}")
+    write_result(args.out, args, summary=summary, raw_s=res)
     return 0
 
 

@@ -96,15 +96,16 @@ class Scheduler:
         started = False
         seats = self.config.max_num_seqs
         bs = self.kv.block_size
-        lookahead = self.num_lookahead(self.running[0]) if self.spec is not None and self.running else 0
-        reserve = len(self.running) * (1 + cdiv(1 + lookahead, bs))  # each row's next tokens, a block boundary apart
+        k = self.spec.num_lookahead_slots if self.spec is not None else 0
+        reserve = len(self.running) * (1 + cdiv(1 + k, bs))  # each row's next tokens, a block boundary apart
         while self.waiting and not self.transfers.ready and len(self.running) < seats:
             req = self.waiting[0]
+            lookahead = self.num_lookahead(req)
             if not (req.kv_transfer_params or {}).get("do_remote_prefill") or req.kv_load_tried or \
-                    self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + self.num_lookahead(req), bs):
+                    self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + lookahead, bs):
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
-            if self.transfers.start_load(req, hits, num_hit, self.num_lookahead(req)) != "loading":
+            if self.transfers.start_load(req, hits, num_hit, lookahead) != "loading":
                 break  # "blocked" (no blocks yet) or prefilled here: schedule() decides, as it would have
             self.waiting.popleft()
             self._count_lookup(req, num_hit, req.num_importable_tokens - num_hit)

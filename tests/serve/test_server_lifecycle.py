@@ -25,6 +25,14 @@ def _stream_lines(client: httpx.Client, body: dict, first_event: threading.Event
     first_event.set()
 
 
+def assert_group_gone(srv, why: str, within: float = 5.0) -> None:
+    """No process of the server's group runs `within` s from now (its engine process included)."""
+    deadline = time.monotonic() + within
+    while group_alive(srv.pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(srv.pgid), why
+
+
 @pytest.fixture(scope="module")
 def server(qwen3_tiny):
     srv = ServerProcess(qwen3_tiny, "--enable-debug-routes", "--max-num-seqs", "1", "--max-waiting", "1",
@@ -123,10 +131,7 @@ def test_process_backend_sigint(qwen3_tiny):
             os.kill(child, signal.SIGCONT)
         assert health_becomes(srv.url, 200, 10)
         assert srv.stop(signal.SIGINT, timeout=30) == 0
-        deadline = time.monotonic() + 5
-        while group_alive(srv.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_alive(srv.pgid), "the engine process outlived the server"
+        assert_group_gone(srv, "the engine process outlived the server")
     finally:
         srv.cleanup()
 
@@ -189,10 +194,7 @@ def test_a_dead_engine_ends_its_streams_with_an_error_and_the_server_exits_1(qwe
         assert not t.is_alive() and lines[-1] == "[DONE]", lines[-3:]
         assert "the engine process exited" in json.loads(lines[-2])["error"]["message"]
         assert srv.proc.wait(30) == 1
-        deadline = time.monotonic() + 5
-        while group_alive(srv.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_alive(srv.pgid), "a process of the server outlived it"
+        assert_group_gone(srv, "a process of the server outlived it")
     finally:
         srv.cleanup()
 
@@ -212,9 +214,6 @@ def test_a_server_that_fails_after_its_engine_process_started_takes_it_along(qwe
         assert ("cannot load its tokenizer" if broken == "tokenizer.json" else
                 "default sampling parameters are invalid") in log, log[-2000:]
         assert "Traceback" not in log, log[-3000:]
-        deadline = time.monotonic() + 5
-        while group_alive(srv.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_alive(srv.pgid), "the engine process outlived the server"
+        assert_group_gone(srv, "the engine process outlived the server")
     finally:
         srv.cleanup()

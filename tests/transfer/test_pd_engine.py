@@ -801,3 +801,25 @@ def test_a_load_waits_for_no_block_a_running_request_needs(qwen3_tiny, monkeypat
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
+
+
+@pytest.mark.parametrize("blocks, extra", [(1, 0), (2, 1), (3, 0)], ids=["1 block", "2 blocks + 1", "3 blocks"])
+def test_an_early_load_of_k_blocks_or_k_plus_one_joins_its_step(qwen3_tiny, blocks, extra):
+    """Prompts of exactly k blocks (the replay's slot then needs block k + 1) and of k blocks + 1 token: the early
+    load allocates the replay's slot with the prompt's blocks, the request runs in D's first step, its tokens equal a
+    collocated engine's, and both pools are whole."""
+    p, d = producer(qwen3_tiny, free_port()), consumer(qwen3_tiny, kv_load_wait_ms=1000)
+    try:
+        prompt = [(7 * i) % 900 + 3 for i in range(blocks * d.engine.kv.block_size + extra)]
+        params = prefill_on(p, [prompt])
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        d.engine.add_request(prompt, sp, request_id="d0", kv_transfer_params=params[0])
+        assert [len(o.outputs[0].token_ids) for o in d.engine.step()] == [1]
+        got = drain(d)["d0"].outputs[0].token_ids
+        want = LLM(qwen3_tiny, **ENGINE).generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        assert got == want.outputs[0].token_ids
+        drain(p)
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()

@@ -7,7 +7,11 @@ all on the tiny model. Sequential requests (one at a time, so no queue), the kin
   p_pd        the same with `kv_transfer_params` asking for the first token (what the router sends P: + lease,
               signing, the first token's params);
   router      a streamed completion through the router: TTFT (the client's first token is P's) and the gap to the
-              second token (D's first: the hand-off, D's admission, the KV pull, D's step).
+              second token (D's first: the hand-off, D's admission, the KV pull, D's step);
+  d_direct    what the router does, from this client: P's answer with the first token, then D's stream with P's
+              params (the time to D's first chunk, which repeats P's token, and to its second, D's own first), and
+              D's Server-Timing (queue, kv_transfer, prefill: D's own engine view of the hand-off);
+  coll_gap    the collocated stream's gap between its first and second token (one decode step at idle).
 Prompts are fresh random token ids (no prefix-cache hit). Medians and p90s in ms, differences against collocated.
 
     .venv/bin/python benchmarks/pd_hops.py            # ~1 min
@@ -27,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.launcher import Deployment, free_port
+from pdserve.serve.server_timing import parse_server_timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
@@ -35,22 +40,24 @@ REPO = Path(__file__).resolve().parent.parent
 TOKEN = "pd-hops-bench"
 
 
-def stream(client: httpx.Client, url: str, body: dict) -> list[float]:
-    """Seconds from send to each chunk that carries token ids."""
+def stream(client: httpx.Client, url: str, body: dict, timing: dict | None = None) -> list[float]:
+    """Seconds from send to each chunk that carries token ids (`timing` gets the answer's Server-Timing)."""
     t0, times = time.perf_counter(), []
     with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         r.raise_for_status()
+        if timing is not None:
+            timing.update(parse_server_timing(r.headers.get("server-timing")))
         for line in r.iter_lines():
             if line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("token_ids"):
                 times.append(time.perf_counter() - t0)
     return times
 
 
-def whole(client: httpx.Client, url: str, body: dict) -> float:
+def whole(client: httpx.Client, url: str, body: dict) -> tuple[float, dict]:
     t0 = time.perf_counter()
     r = client.post(url + "/v1/completions", json=body)
     r.raise_for_status()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, r.json()
 
 
 def pct(v: list[float], q: float) -> float:
@@ -86,28 +93,40 @@ def main() -> int:
         rng = random.Random(0)
         base = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
-        res: dict[str, list[float]] = {k: [] for k in ("collocated", "p_plain", "p_pd", "router", "router_gap")}
+        res: dict[str, list[float]] = {k: [] for k in (
+            "collocated", "coll_gap", "p_plain", "p_pd", "router", "router_gap", "d_direct_first", "d_direct_gap",
+            "d_queue", "d_kv_transfer", "d_prefill", "d_ttft")}
         with httpx.Client(timeout=60) as c:
             for i in range(args.requests + 3):  # 3 warm-up rounds, not kept
                 keep = i >= 3
-                prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(4)]
+                prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(5)]
                 t = stream(c, coll, {**base, "prompt": prompts[0]})
-                a = whole(c, p, {**base, "prompt": prompts[1], "max_tokens": 1})
-                b = whole(c, p, {**base, "prompt": prompts[2], "max_tokens": 1, "stream": False,
-                                 "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
+                a, _ = whole(c, p, {**base, "prompt": prompts[1], "max_tokens": 1})
+                b, _ = whole(c, p, {**base, "prompt": prompts[2], "max_tokens": 1, "stream": False,
+                                    "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
                 r = stream(c, router, {**base, "prompt": prompts[3]})
+                _, answer = whole(c, p, {**base, "prompt": prompts[4], "stream": False,
+                                         "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
+                d_timing: dict = {}
+                dd = stream(c, d, {**base, "prompt": prompts[4], "kv_transfer_params": answer["kv_transfer_params"]},
+                            d_timing)
                 if keep:
                     res["collocated"].append(t[0])
+                    res["coll_gap"].append(t[1] - t[0])
                     res["p_plain"].append(a)
                     res["p_pd"].append(b)
                     res["router"].append(r[0])
                     res["router_gap"].append(r[1] - r[0])
+                    res["d_direct_first"].append(dd[0])
+                    res["d_direct_gap"].append(dd[1] - dd[0])
+                    for k in ("queue", "kv_transfer", "prefill", "ttft"):
+                        res["d_" + k].append(d_timing.get(k, float("nan")))
                 time.sleep(0.05)
     finally:
         dep.stop()
     summary = {k: {"median_ms": statistics.median(v) * 1e3, "p90_ms": pct(v, 0.9) * 1e3} for k, v in res.items()}
     for k, s in summary.items():
-        print(f"{k:>11}: median {s['median_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms")
+        print(f"{k:>14}: median {s['median_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms")
     write_result(args.out, args, summary=summary, raw_s=res)
     return 0
 

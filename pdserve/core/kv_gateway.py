@@ -96,13 +96,6 @@ class KVGateway:
         signed = verified_params(params, self._token())
         return signed is not None and malformed(signed) is None and self.connector.release_remote(signed, request_id)
 
-    def remote_lease_left(self, params: dict) -> float:
-        """D: seconds P still holds the KV that checked `params` name (0.0: released, expired, or never made there),
-        asked over the KV session; raises when P cannot be asked. A consumer that cannot ask trusts the params."""
-        if self.connector is None:
-            return float(params.get("lease_seconds", 0.0))
-        return self.connector.check_remote(params)
-
     def release_lease(self, params) -> str:
         """P: end the lease that `params` (as P returned them, with P's proof) name: what the router asks when no
         decode node took the request. "released"; "unknown" (no such open lease: never made here, already released

@@ -76,12 +76,6 @@ class KVTransfers:
         self._orphaned_at: dict[str, float] = {}  # D: deferred_free id -> when its request left (or stood in)
         self.reclaim = ReclaimTimes()
 
-    def forgo_load(self, req: Request) -> None:
-        """D, before `req` is added: its producer no longer holds the KV (its lease check said so), so nothing is
-        loaded, watched or released for it here (the caller tells P `done`); it prefills locally, whatever the
-        failure policy (nothing failed: there was nothing left to load)."""
-        req.kv_load_tried = True
-
     def watch(self, req: Request) -> None:
         if req.kv_load_tried:
             return
@@ -142,7 +136,7 @@ class KVTransfers:
                     del self.held[rid]
                 failed_loads.setdefault(held, "the overdue load ended")
         recompute, failed = [], []
-        for rid in fin.done_recving | set(failed_loads):
+        for rid in fin.done_recving | set(failed_loads) | fin.gone:
             if rid in self.deferred_free:
                 self.kv.free(self.deferred_free.pop(rid))
                 self.reclaim.observe(now - self._orphaned_at.pop(rid, now))
@@ -156,9 +150,10 @@ class KVTransfers:
                 req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
                 self.kv.cache_blocks(req)  # authenticated and complete: safe to share
                 self.ready.append(req)
-            elif self.load_failure_policy == "recompute":
+            elif self.load_failure_policy == "recompute" or rid in fin.gone:
                 # The partly written blocks are dropped, never published; the prompt is prefilled here, in the
-                # queue's front (it came before whatever arrived while it loaded).
+                # queue's front (it came before whatever arrived while it loaded). A lease gone (LeaseGone) is
+                # nobody's failure: prefilled here whatever the policy.
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 recompute.append(req)

@@ -90,7 +90,7 @@ class EngineStep:
             return admitted
         fin = eng.connector.get_finished()
         now = time.monotonic()
-        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue):
+        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue) | fin.gone:
             if (st := eng.output_processor.states.get(rid)) is not None:
                 st.metrics.kv_load_end_time = now
                 st.metrics.kv_loaded = rid in fin.done_recving

@@ -4,7 +4,7 @@ It owns the `LLMEngine` (built here, so start-up never blocks the server), takes
 steps (typed messages, engine_commands.py, dispatched by their type) and hands each step's outputs to a sink
 as one `StepBatch` of plain, picklable records. Only this loop ever touches the engine, so no lock is needed: an
 abort reaches the scheduler at the next step boundary and frees the request's blocks there. A P/D request on D is
-added once P has said its KV is still there (`lease_check.py`).
+added at once: its KV load is D's one question to P (a lease P no longer holds is prefilled here, LeaseGone).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from pdserve.core.errors import EngineDeadError
 from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
     GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, Wire, record
-from pdserve.serve.lease_check import LeaseChecks
 
 logger = logging.getLogger("pdserve.serve.engine")
 
@@ -35,7 +34,6 @@ class EngineCore:
         self.sink = sink
         self.engine = None
         self._stop = False
-        self._checks: Optional[LeaseChecks] = None
 
     def run(self) -> None:
         try:
@@ -51,7 +49,6 @@ class EngineCore:
         # ~95 ms on a D, a pause that would land inside a decode step)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None, eng.async_scheduling))
-        self._checks = LeaseChecks(eng.gateway.remote_lease_left)
         from pdserve.worker.cpu_threads import adaptive_threads
         self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
@@ -65,13 +62,8 @@ class EngineCore:
                     self.cpu_threads.poll()
                 busy = eng.has_unfinished_requests()
                 batch = StepBatch(0.0)
-                cmds = self.inbox.get(block=not busy and not self._checks.pending)
-                for cmd in cmds:
+                for cmd in self.inbox.get(block=not busy):
                     self._handle(cmd, batch)
-                # idle but for lease checks: wait a little for their answers, and look at the inbox again soon
-                wait = 0.002 if self._checks.pending and not (busy or cmds) else 0.0
-                for msg, left, wanted in self._checks.answers(wait):
-                    self._checked(msg, left, wanted, batch)
                 if eng.has_unfinished_requests() and not self._stop:
                     batch.records.extend(record(o) for o in eng.step())
                 if batch.records or batch.replies:
@@ -89,7 +81,6 @@ class EngineCore:
         kv = self._q_kv()  # what a drain left behind: leases no decode node confirmed, or a broken pool
         logger.info("engine stopped: %d KV blocks in use (%d leased), invariants %s", kv["used_blocks"],
                     kv.get("leased_blocks", 0), "ok" if kv["invariants_ok"] else kv["invariant_error"])
-        self._checks.shutdown()
         if hasattr(eng, "shutdown"):
             eng.shutdown()  # the KV connector's server and threads, if any
 
@@ -100,12 +91,10 @@ class EngineCore:
         node's state reads whole to whoever inspects it."""
         eng = self.engine
         batch.records.extend(record(o) for o in eng.fail_all(why))
-        batch.records.extend(TokenRecord(rid, [], "", True, "error", error=why) for rid in self._checks.cancel_all())
         batch.time = time.monotonic()
         self.sink(batch)
         self.sink(RuntimeError(why))
         try:  # no reader or loader may touch the blocks once the connector is down: then free what they held
-            self._checks.shutdown()
             eng.shutdown()
             eng.scheduler.transfers.drop_all()
         except Exception:  # the device is gone: tearing down may fail too, and changes nothing for the server
@@ -130,10 +119,6 @@ class EngineCore:
 
     def _abort(self, msg: AbortRequest, batch: StepBatch) -> None:
         eng, rid = self.engine, msg.request_id
-        if self._checks.cancel(rid):  # never in the scheduler; its lease is released when P's answer comes
-            logger.info("aborted while its prefill node was asked about the KV", extra={"request_id": rid})
-            batch.records.append(TokenRecord(rid, [], "", True, "abort"))
-            return
         req = eng.scheduler.requests.get(rid)
         generated = req.num_output_tokens if req is not None else 0
         out = eng.abort_request(rid)
@@ -145,8 +130,6 @@ class EngineCore:
         eng = self.engine
         for rid in list(eng.scheduler.requests):
             batch.records.append(record(eng.abort_request(rid)))
-        for rid in self._checks.cancel_all():
-            batch.records.append(TokenRecord(rid, [], "", True, "abort"))
         if batch.records:
             logger.info("aborted %d request(s)", len(batch.records))
 
@@ -156,21 +139,13 @@ class EngineCore:
     def _on_stop(self, msg: Stop, batch: StepBatch) -> None:
         self._stop = True
 
-    def _add(self, msg: AddRequest, batch: StepBatch, req=None, kv_gone: bool = False) -> None:
-        """`req`: the request made (and checked) when `msg` came in, after P answered the lease check; `kv_gone`:
-        P answered that it no longer holds the KV, so the request prefills here."""
+    def _add(self, msg: AddRequest, batch: StepBatch) -> None:
         eng = self.engine
         rid, token_ids, params, arrival = msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time
         kv_params, salt = msg.kv_transfer_params, msg.cache_salt
         try:
-            if req is None:
-                req = eng.make_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params,
-                                       cache_salt=salt)
-                if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
-                    self._checks.submit(rid, req.kv_transfer_params, (msg, req))  # checked once, here
-                    return
-            if kv_gone:
-                eng.scheduler.transfers.forgo_load(req)
+            req = eng.make_request(token_ids, params, rid, arrival_time=arrival, kv_transfer_params=kv_params,
+                                   cache_salt=salt)
             eng.add(req)
             if kv_params is None:
                 return
@@ -187,22 +162,6 @@ class EngineCore:
         logger.warning("request refused: %s", why, extra={"request_id": rid})
         batch.records.append(TokenRecord(rid, [], "", True, "error", error=why, rejected=True))
         self._release_remote(rid, kv_params)
-
-    def _checked(self, msg_req: tuple, left: Optional[float], wanted: bool, batch: StepBatch) -> None:
-        msg, req = msg_req
-        rid, kv_params = msg.request_id, msg.kv_transfer_params
-        if not wanted:  # aborted while P was asked
-            self._release_remote(rid, kv_params)
-        elif left is not None and left <= 0:
-            # Authentic params whose KV P no longer holds (its lease expired while this node stalled, was released
-            # or used, or P restarted): not the client's fault, so served all the same, prefilled here as when P
-            # cannot be reached; D took none of P's KV (X-PD-KV-Unused) and P hears `done` (harmless if gone).
-            logger.info("the prefill node no longer holds this request's KV (lease ended, released or used): "
-                        "prefilling it here", extra={"request_id": rid})
-            self._release_remote(rid, kv_params)
-            self._add(msg, batch, req, kv_gone=True)
-        else:
-            self._add(msg, batch, req)
 
     def _release_remote(self, rid: str, kv_params) -> None:
         """D: P's lease for a refused request ends now, not at its expiry (KVGateway.release_remote_kv checks the
@@ -221,8 +180,8 @@ class EngineCore:
         transfer = eng.gateway.transfer_stats(s.transfers.num_leased_blocks())
         if transfer is not None:
             transfer.update(s.transfers.reclaim_stats())
-        return {"running": len(s.running), "waiting": s.num_waiting + self._checks.num_waiting,
-                "waiting_deferred": len(s.transfers.loading) + self._checks.num_waiting,
+        return {"running": len(s.running), "waiting": s.num_waiting,
+                "waiting_deferred": len(s.transfers.loading),
                 "kv_usage": eng.kv.pool.usage(),
                 "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "graph": eng.graph_stats(), "transfer": transfer,

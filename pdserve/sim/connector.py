@@ -10,8 +10,9 @@ or after that time, and releases P's lease (D's `done` rides its last read, as T
 
 What fails, as on a real pair: P's lease expires `lease_seconds` after P's answer (P frees the blocks at its first
 poll after that; a D whose request queued past it prefills locally: `KVTransfers.start_load`, and a load started on
-an expired lease fails at once); a started load fails with probability `load_failure_rate` (seeded), reported when
-it would have ended; a failed load is recomputed on D (`kv_load_failure_policy` recompute) and tells P `done`.
+an expired lease ends at once, gone: prefilled on D whatever the failure policy); a started load fails with
+probability `load_failure_rate` (seeded), reported when it would have ended; a failed load is recomputed on D
+(`kv_load_failure_policy` recompute) and tells P `done`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from typing import Optional
 
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job
+
+EXPIRED = "the prefill node's lease expired"  # a load's answer from P that no longer holds the lease
 
 
 class TransferModel:
@@ -130,7 +133,7 @@ class SimConnector(KVConnector):
             fabric, ends = self.fabric, self.now + self.fabric.transfer.seconds(num_bytes)
             why = ""
             if job.params.get("lease_expires", math.inf) <= self.now:  # P answers the first read: no such lease
-                why, ends = "the prefill node's lease expired", self.now
+                why, ends = EXPIRED, self.now
             elif fabric.transfer.load_failure_rate and fabric.rng.random() < fabric.transfer.load_failure_rate:
                 why = "simulated load failure"
             else:
@@ -141,7 +144,10 @@ class SimConnector(KVConnector):
         fin = FinishedTransfers()
         while self.inflight and self.inflight[0][0] <= self.now:
             _, rid, params, why = heapq.heappop(self.inflight)
-            if why:
+            if why == EXPIRED:  # P answered `expired` (LeaseGone): D prefills it, whatever the policy
+                fin.gone.add(rid)
+                self.fabric.failed_loads += 1
+            elif why:
                 fin.failed[rid] = why
                 self.fabric.failed_loads += 1
             else:

@@ -47,6 +47,8 @@ class FinishedTransfers:
     done_sending: set[str] = field(default_factory=set)  # producer: leases to release (confirmed or expired)
     done_recving: set[str] = field(default_factory=set)  # consumer: loads that completed and verified
     failed: dict[str, str] = field(default_factory=dict)  # consumer: request id -> why the load failed
+    # consumer: loads P answered `expired` (LeaseGone: nothing left to read): prefilled on D whatever the policy
+    gone: set[str] = field(default_factory=set)
     # consumer: loads that cannot be stopped (a posted one-sided read) and are overdue: request id -> why. The
     # request goes on (its failure policy) without its blocks, which stay out of use until the load is reported in
     # `ended`; a request that finished while loading keeps its blocks held the same way.

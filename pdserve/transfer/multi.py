@@ -91,6 +91,7 @@ class MultiConnector(KVConnector):
                     out.released_at[rid] = f.released_at.get(rid, time.monotonic())  # the last keeper's end
             out.done_recving |= f.done_recving
             out.failed.update(f.failed)
+            out.gone |= f.gone
             out.overdue.update(f.overdue)
             out.ended |= f.ended
         return out

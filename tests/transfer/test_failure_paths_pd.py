@@ -1,9 +1,9 @@
 """Failure paths of a decode node (D, kv_consumer) before a P/D request's first token, in process (TestClient on the
-thread backend, so coverage sees them): telling P to release its lease raises; a drain meets a request whose lease
-check is still out (and refuses new work with 503 while it drains); the request fails before its first token (a
-500, not a 200 stream with an error event); the client goes away before the first token (499). No P runs: the
-params are signed here with D's token and name a port nobody listens on, and P's answer to the lease check is
-steered by replacing the check. Each ends with D's KV pool whole."""
+thread backend, so coverage sees them): telling P to release its lease raises; P answers that its lease is gone; a
+drain meets a request whose KV load is still out (and refuses new work with 503 while it drains); the request fails
+before its first token (a 500, not a 200 stream with an error event); the client goes away before the first token
+(499). No P runs: the params are signed here with D's token and name a port nobody listens on, and P's answer to
+the load is steered by replacing the transfer (`SteeredLoads`). Each ends with D's KV pool whole."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +19,10 @@ from pdserve.config import EngineConfig
 from pdserve.core.kv_gateway import KVGateway
 from pdserve.serve.api_server import ServerState, build_app
 from pdserve.serve.server_config import ServerConfig
+from pdserve.transfer.channel.pool import SessionPool
 from pdserve.transfer.channel.proof import prompt_hash, sign_params
+from pdserve.transfer.channel.protocol import LeaseGone
+from pdserve.transfer.tcp.consumer import TcpConsumer
 from tests.server_harness import free_port
 from tests.serve.test_failure_paths_serving import BODY, events, pool_whole
 
@@ -45,10 +48,10 @@ def served(model, kv: dict | None = None, **cfg):
 
 
 def engine_core(state):
-    """The EngineCore behind a thread-backend server, once its lease checks exist."""
+    """The EngineCore behind a thread-backend server, once its engine exists."""
     core = state.engine._backend.core
     deadline = time.monotonic() + 5
-    while core._checks is None:
+    while core.engine is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return core
@@ -83,16 +86,24 @@ def wait_for(pred, timeout=5.0, what="condition"):
         time.sleep(0.02)
 
 
-class Held:
-    """A lease check that waits until `gate` opens, then says P holds the KV for 30 s more."""
+class SteeredLoads:
+    """D's KV transfers with no network: a load waits until `gate` opens (open unless `hold`), then P answers
+    `expired` (LeaseGone); a bare `done` (ending P's lease) is recorded in `dones`."""
 
-    def __init__(self):
-        self.asked, self.gate = threading.Event(), threading.Event()
+    def __init__(self, monkeypatch, hold: bool = False):
+        self.asked, self.gate, self.dones = threading.Event(), threading.Event(), []
+        if not hold:
+            self.gate.set()
+        monkeypatch.setattr(SessionPool, "call", lambda pool, host, port, until, fn: fn(None))
+        monkeypatch.setattr(TcpConsumer, "_transfer", lambda consumer, session, job: self._transfer(job))
 
-    def __call__(self, params):
+    def _transfer(self, job) -> None:
+        if not job.dst_blocks:
+            self.dones.append(job.request_id)
+            return
         self.asked.set()
         self.gate.wait(10)
-        return 30.0
+        raise LeaseGone(f"the producer no longer holds the KV of transfer {job.params['transfer_id']}")
 
 
 async def asgi(app, method: str, path: str, body: bytes = b"", headers=(), chunks=None,
@@ -139,8 +150,8 @@ PD_BODY = {**BODY, "prompt": PROMPT}
 def test_a_release_to_p_that_raises_still_answers_400(qwen3_tiny, monkeypatch):
     """D refuses a P/D request (params signed for another prompt) and telling P to release the lease raises: the
     client still gets its 400 naming the params, and the engine loop lives on (the exception is D's to log, never
-    the loop's end). P's lease check saying the KV is gone is no refusal: D prefills the prompt itself (streamed,
-    with X-PD-KV-Unused), and tells P `done` all the same."""
+    the loop's end). P answering the load that the KV is gone is no refusal: D prefills the prompt itself (streamed,
+    with X-PD-KV-Unused), even with kv_load_failure_policy "fail", and tells P nothing more (it holds nothing)."""
     from pdserve.serve.server_timing import KV_UNUSED_HEADER
     tried: list[str] = []
 
@@ -148,16 +159,16 @@ def test_a_release_to_p_that_raises_still_answers_400(qwen3_tiny, monkeypatch):
         tried.append(request_id)
         raise ConnectionError("the KV session to P broke")
     monkeypatch.setattr(KVGateway, "release_remote_kv", broken)
-    with served(qwen3_tiny, kv={}) as (c, state):
+    with served(qwen3_tiny, kv={"kv_load_failure_policy": "fail"}) as (c, state):
         r = c.post("/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT[:-1])})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert "kv_transfer_params are for another prompt" in err["message"] and err["param"] == "kv_transfer_params"
-        engine_core(state)._checks._ask = lambda params: 0.0  # P: no such lease any more
+        loads = SteeredLoads(monkeypatch)  # P: no such lease any more
         r = c.post("/v1/completions", json={**PD_BODY, "stream": True, "kv_transfer_params": remote_params(PROMPT)})
         assert r.status_code == 200 and r.headers.get(KV_UNUSED_HEADER) == "1", r.text
         assert "[DONE]" in r.text and "error" not in r.text
-        assert len(tried) == 2
+        assert loads.asked.is_set() and loads.dones == [] and len(tried) == 1
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
         pool_whole(c)
@@ -203,19 +214,18 @@ def test_a_pd_request_served_without_ps_kv_says_so_for_the_router(qwen3_tiny):
         pool_whole(c)
 
 
-def test_a_drain_aborts_requests_waiting_on_their_lease_check(qwen3_tiny, releases):
-    """A drain that times out while a P/D request still waits for P's answer to its lease check: the request ends
-    (finish_reason abort) though it never reached the scheduler, P is told to release the lease when its answer
-    comes (never a load), and while draining new work gets a 503 naming the shutdown."""
+def test_a_drain_aborts_requests_waiting_on_their_kv_load(qwen3_tiny, monkeypatch):
+    """A drain that times out while a P/D request still waits for its KV load: the request ends (finish_reason
+    abort, no token), its blocks stay out of use until the load ends (it writes them), and while draining new work
+    gets a 503 naming the shutdown."""
+    loads = SteeredLoads(monkeypatch, hold=True)
     with served(qwen3_tiny, kv={}) as (c, state):
-        held = Held()
-        engine_core(state)._checks._ask = held
         out = {}
         client = threading.Thread(target=lambda: out.update(r=c.post(
             "/v1/completions", json={**PD_BODY, "kv_transfer_params": remote_params(PROMPT)})))
         client.start()
         try:
-            assert held.asked.wait(5)
+            assert loads.asked.wait(5)
             async def start_drain():  # its first step runs before any request sent after this returns
                 return asyncio.ensure_future(state.engine.drain(0.3))
             drain = c.portal.call(start_drain)
@@ -230,12 +240,12 @@ def test_a_drain_aborts_requests_waiting_on_their_lease_check(qwen3_tiny, releas
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             assert choice["finish_reason"] == "abort" and r.json()["usage"]["completion_tokens"] == 0
-            assert releases == []  # not before P's answer
+            assert engine_core(state).engine.scheduler.transfers.deferred_free  # the load still owns its blocks
         finally:
-            held.gate.set()
-        wait_for(lambda: len(releases) == 1, what="the release to P")
+            loads.gate.set()
         core = engine_core(state)
-        assert not core._checks.pending and not core.engine.scheduler.requests
+        wait_for(lambda: not core.engine.scheduler.transfers.deferred_free, what="the load's blocks back")
+        assert not core.engine.scheduler.requests
         pool_whole(c)
 
 
@@ -255,25 +265,22 @@ def test_an_error_before_the_first_token_of_a_pd_stream_is_a_500(qwen3_tiny):
         pool_whole(c)
 
 
-def test_a_client_gone_before_the_first_token_of_a_pd_stream_is_499(qwen3_tiny, releases):
-    """The client goes away while D waits for P's answer to the lease check (the stream's headers not sent yet):
-    499, the request is dropped when the answer comes (P told to release, nothing loaded), the pool whole."""
+def test_a_client_gone_before_the_first_token_of_a_pd_stream_is_499(qwen3_tiny, monkeypatch):
+    """The client goes away while D waits for its KV load (the stream's headers not sent yet): 499, the request is
+    aborted, its blocks held until the load ends, then the pool whole."""
+    loads = SteeredLoads(monkeypatch, hold=True)
     with served(qwen3_tiny, kv={}) as (c, state):
-        held, core = Held(), engine_core(state)
-        core._checks._ask = held
+        core = engine_core(state)
         body = json.dumps({**PD_BODY, "stream": True, "kv_transfer_params": remote_params(PROMPT)}).encode()
         try:
             res = c.portal.call(lambda: asgi(c.app, "POST", "/v1/completions", body, disconnect_after=0.3,
                                              timeout=5))
             assert res["status"] == 499 and res["seconds"] < 3, res
-            assert held.asked.is_set() and releases == []
-            # the abort reached the engine loop while P's answer was still out (P answering first would make this
-            # an abort of an admitted request: another path)
-            wait_for(lambda: list(core._checks._open.values()) == [False], what="the abort to reach the engine")
+            assert loads.asked.is_set()
+            wait_for(lambda: not core.engine.scheduler.requests, what="the abort to reach the engine")
         finally:
-            held.gate.set()
-        wait_for(lambda: len(releases) == 1, what="the release to P")
-        assert not core._checks.pending and not core.engine.scheduler.requests
+            loads.gate.set()
+        wait_for(lambda: not core.engine.scheduler.transfers.deferred_free, what="the load's blocks back")
         pool_whole(c)
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]

@@ -1,8 +1,8 @@
-"""Availability of P/D (issue 37): a lease gone before D admits the request is served by a local prefill, not a
+"""Availability of P/D (issue 37): a lease gone before D loads the request is served by a local prefill, not a
 client error; a MultiConnector producer holds one lease per request, not one per child.
 
 P is an in-process engine over the tcp connector; D is the engine loop (serve/engine_core.py) on a thread, as the
-server's thread backend runs it, where the admission's lease check lives. Oracle: a collocated engine on the same
+server's thread backend runs it. Oracle: a collocated engine on the same
 weights; both block pools whole and no block orphaned at the end of every case."""
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def assert_loop_whole(loop: Loop) -> None:
 @pytest.mark.parametrize("first_token", [False, True], ids=["replay", "first-token"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_lease_gone_before_admission_is_prefilled_here(qwen3_tiny, collocated, first_token, policy):
-    """D asks P at admission and P no longer holds the KV (its lease expired while D stalled past
-    kv_lease_seconds; the same answer as a lease released, used, or lost with a restarted P): D prefills the
-    prompt itself, whatever kv_load_failure_policy, and says it took none of P's KV (the router's X-PD-KV-Unused).
+    """D's load asks P for the KV and P no longer holds it (its lease expired while D stalled past
+    kv_lease_seconds; the same answer as a lease released, used, or lost with a restarted P): P answers `expired`
+    (LeaseGone) and D prefills the prompt itself, whatever kv_load_failure_policy, and says it took none of P's KV
+    (the router's X-PD-KV-Unused).
     Before, a 400 that the router turned into a 502. A proof that does not verify is still refused (a 400 on
     kv_transfer_params: a deployment error, never a local prefill)."""
     p = producer(qwen3_tiny, free_port(), **({"pd_first_token": "prefill"} if first_token else {}))
@@ -74,7 +75,7 @@ def test_a_lease_gone_before_admission_is_prefilled_here(qwen3_tiny, collocated,
                 assert any(r.kv_unused for r in loop.records[f"d{i}"])  # D took none of P's KV
         bad = loop.finished("d4")
         assert bad.rejected and "kv_transfer_params" in bad.error, bad
-        assert loop.core.engine.connector.stats.bytes_received == 0  # nothing dialed for a load
+        assert loop.core.engine.connector.stats.bytes_received == 0  # P had nothing to send
         drain(p, deadline=5)
         assert_whole(p)
         assert_loop_whole(loop)

@@ -1,6 +1,6 @@
 """D's network work per P (transfer/peer_workers.py): a P that accepts and never answers holds only its own
-requests' workers, so lease checks for every other P are answered at once (before, four shared workers: N
-requests for a hung P held everyone else up for about N / 4 x kv_transfer_timeout)."""
+requests' workers, so loads from every other P go on at once (before, four shared workers: N requests for a hung P
+held everyone else up for about N / 4 x kv_transfer_timeout)."""
 from __future__ import annotations
 
 import threading
@@ -8,39 +8,25 @@ import time
 
 import pytest
 
-from pdserve.serve.lease_check import LeaseChecks
 from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
 
 HUNG = {"remote_host": "10.0.0.9", "remote_port": 7001}
 HEALTHY = {"remote_host": "10.0.0.8", "remote_port": 7001}
 
 
-def test_lease_checks_for_a_healthy_p_pass_those_stuck_on_a_hung_one():
+def test_work_for_a_healthy_p_passes_that_stuck_on_a_hung_one():
     gate = threading.Event()
-
-    def ask(params):
-        if params is HUNG:
-            gate.wait(10)  # a P that never answers (until the test lets go)
-        return 30.0
-    checks = LeaseChecks(ask)
+    w = PeerWorkers(4, "t")
     try:
-        for i in range(12):
-            checks.submit(f"h{i}", HUNG, ("add", f"h{i}"))
-        checks.submit("ok", HEALTHY, ("add", "ok"))
-        checks.cancel("h0")  # a client gone while its check runs: no longer waiting
-        assert checks.num_waiting == 12  # vllm:num_requests_waiting counts these: D holds them, the scheduler not
-        t0, got = time.monotonic(), []
-        while not got and time.monotonic() - t0 < 2.0:
-            got = checks.answers(0.05)
-        assert [cmd[1] for cmd, left, wanted in got] == ["ok"] and got[0][1:] == (30.0, True)
+        hung = [w.submit(peer_of(HUNG), gate.wait, 10) for _ in range(12)]  # a P that never answers (until let go)
+        t0 = time.monotonic()
+        assert w.submit(peer_of(HEALTHY), lambda: "pulled").result(2.0) == "pulled"
+        assert time.monotonic() - t0 < 1.0 and not any(f.done() for f in hung)
         gate.set()
-        answered = set()
-        while len(answered) < 12 and time.monotonic() - t0 < 10:
-            answered |= {cmd[1] for cmd, _, _ in checks.answers(0.05)}
-        assert answered == {f"h{i}" for i in range(12)} and not checks.pending and checks.num_waiting == 0
+        assert all(f.result(10) for f in hung)
     finally:
         gate.set()
-        checks.shutdown()
+        w.shutdown()
 
 
 def test_peer_workers_run_each_peer_on_its_own_threads_and_refuse_after_shutdown():

@@ -37,7 +37,7 @@ logger = logging.getLogger("pdserve.transfer")
 IDLE_SECONDS = 60.0  # P closes a session idle this long; D reuses one idle for at most half of it
 MAX_AGE = 600.0  # D retires a session this old; P closes one at twice it
 # P's caps: each connection is a thread, and before its handshake anyone may open one. A D keeps at most 4 sessions
-# per P (channel/pool.py) and dials at most 8 at once (its loaders and lease checks), so these leave room for
+# per P (channel/pool.py) and dials at most 8 at once (its loaders and lease renewals), so these leave room for
 # dozens of Ds while a flood of connections costs P bounded threads; past a cap a connection is closed at once.
 MAX_CONNECTIONS = 256  # in all (kv_connector_extra_config.max_connections)
 MAX_HANDSHAKES = 64  # not yet authenticated, in all

@@ -1,4 +1,4 @@
-"""Worker threads per KV peer, for what D asks of a P over the network (lease checks, loads, renewals, `done`s).
+"""Worker threads per KV peer, for what D asks of a P over the network (loads, lease renewals, `done`s).
 
 A P that accepts connections and never answers (stopped, wedged) holds each worker it is given until
 kv_transfer_timeout. With one shared pool of four, N requests for such a P stalled every other P's requests behind

@@ -7,7 +7,7 @@ catches one P closed anyway (restarted, or idled out early) before use, by its r
 the operation once on a fresh session when the reused one failed before any answer. A handshake refused outright
 (P's certificate does not verify, TLS on one side only, another KV token or layout: a deployment error) is not
 redialed for REFUSED_HOLD: until then each call fails at once with the same error, rather than every request
-paying its lease check's, load's and `done`'s handshakes (and log lines) to learn it again. The hold is short
+paying its load's, renewals' and `done`'s handshakes (and log lines) to learn it again. The hold is short
 because a plain D cannot tell a TLS P closing at the handshake from a P dying mid-accept (SIGKILLed while stopped:
 the connections in its backlog are reset), and a P restarted on the same address must not wait long to be used.
 """

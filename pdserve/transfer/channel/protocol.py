@@ -43,6 +43,12 @@ class ProtocolError(Exception):
     """A peer broke the protocol: bad frame, failed authentication, incompatible model."""
 
 
+class LeaseGone(ProtocolError):
+    """P answered `expired`: it no longer holds the KV the params name (the lease ended, was released or used, or P
+    restarted). Nothing failed that the client could cause, so D prefills the request itself whatever its
+    kv_load_failure_policy."""
+
+
 # What a socket wait that ran out raises: kernel-side timeouts (see tune) surface as EAGAIN.
 TIMEOUTS = (socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 

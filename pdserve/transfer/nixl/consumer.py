@@ -22,7 +22,7 @@ from pdserve.transfer.nixl import notif
 from pdserve.transfer.nixl.agent import NixlError, Transfer
 from pdserve.transfer.nixl.peers import AgentPeers
 from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
-from pdserve.transfer.channel.protocol import TIMEOUTS, ProtocolError
+from pdserve.transfer.channel.protocol import TIMEOUTS, LeaseGone, ProtocolError
 from pdserve.transfer.channel.blocks import KVBlocks, TransferStats
 from pdserve.transfer.tcp.consumer import SHUTDOWN_GRACE, TcpConsumer
 
@@ -127,6 +127,10 @@ class NixlConsumer:
             with self._cv:
                 self._reads.append(_Read(job, xfer, name, endpoint, queued, deadline))
                 self._cv.notify()
+        except LeaseGone as e:  # nothing claimed, nothing left on P: prefilled here, whatever the policy
+            logger.info("request %s: %s: prefilling it here", job.request_id, e)
+            with self._cv:
+                self._events.append(("gone", job.request_id, str(e), None))
         except Exception as e:
             cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
             self.stats.count(cause)
@@ -152,6 +156,8 @@ class NixlConsumer:
         session.send({"op": "claim", "transfer_id": tid, "agent": self.agent.name, "start": job.src_start,
                       "count": len(job.dst_blocks)})
         header, _ = session.recv(into=[])
+        if header.get("status") == "expired":
+            raise LeaseGone(f"the producer no longer holds the KV of transfer {tid}")
         if header.get("status") != "ok" or len(header.get("block_ids", ())) != len(job.dst_blocks) or \
                 not isinstance(header.get("notif_nonce"), str):
             raise ProtocolError(f"producer answered {header.get('status')!r} to the claim of transfer {tid}")
@@ -235,7 +241,7 @@ class NixlConsumer:
     def take_finished(self, out: FinishedTransfers) -> None:
         """Engine thread: fill `out`. An overdue read's request goes on now (the failure policy) without its blocks:
         the scheduler holds them (`overdue`) until the read's end is reported (`ended`)."""
-        out.done_recving, out.failed = self.tcp.take_finished()
+        self.tcp.take_finished(out)
         with self._cv:
             events, self._events = self._events, []
         for kind, rid, why, r in events:
@@ -243,6 +249,8 @@ class NixlConsumer:
                 out.done_recving.add(rid)
             elif kind == "failed":
                 out.failed[rid] = why
+            elif kind == "gone":
+                out.gone.add(rid)
             elif kind == "overdue":
                 out.overdue[rid] = why
                 r.reported_overdue = True

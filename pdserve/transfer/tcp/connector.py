@@ -74,7 +74,7 @@ class TcpConnector(RoleConnector):
         out = FinishedTransfers()
         if self.consumer is not None:
             self.consumer.keeper.tick()
-            out.done_recving, out.failed = self.consumer.take_finished()
+            self.consumer.take_finished(out)
         out.released_at, expired = self.lease_table.reap()
         out.done_sending = set(out.released_at)
         self.stats.count("lease_expired", expired)

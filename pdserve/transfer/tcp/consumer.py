@@ -16,12 +16,15 @@ Consumer (D) lifecycle of a request:
    straight into D's own blocks; the whole pull, counted from when it was queued, has `kv_transfer_timeout`, and any
    failure drops the session (the next transfer dials anew) and sends P a bare `done` on a fresh one, so its
    lease ends now rather than at expiry;
-4. `get_finished` reports the load done (the request is scheduled as the one-token replay) or failed (the
-   scheduler's failure policy: recompute locally, or fail the request). A request that D prefills itself instead
-   (params rejected, the lease ran out while blocks were short, all cached here) still sends P a bare `done` for
-   its lease, and so does a request D refuses or drops before asking for its load (a 400 or 503 answer, an abort
-   while queued): `release_remote`, only for params with a valid router proof and only to a peer in `kv_peers`;
-   a stopping D gives the `done`s its last aborts queued up to SHUTDOWN_GRACE to go out.
+4. `get_finished` reports the load done (the request is scheduled as the one-token replay), gone (P answered
+   `expired`: its lease ended, was released or used, or P restarted; the request is prefilled here whatever the
+   failure policy: the client did nothing wrong) or failed (the scheduler's failure policy: recompute locally, or
+   fail the request). The load is D's only question to P about a request: nothing is asked before it. A request
+   that D prefills itself instead (params rejected, the lease ran out while blocks were short, all cached here)
+   still sends P a bare `done` for its lease, and so does a request D refuses or drops before asking for its load
+   (a 400 or 503 answer, an abort while queued): `release_remote`, only for params with a valid router proof and
+   only to a peer in `kv_peers`; a stopping D gives the `done`s its last aborts queued up to SHUTDOWN_GRACE to go
+   out.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ from contextlib import suppress
 
 from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.request import Request
-from pdserve.transfer.base import ConnectorMeta, LoadJob, load_job
+from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, LoadJob, load_job
 from pdserve.transfer.channel.leases import LeaseKeeper, ask_renew, prompt_hash, send_done
 from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
-from pdserve.transfer.channel.protocol import TIMEOUTS, ProtocolError
+from pdserve.transfer.channel.protocol import TIMEOUTS, LeaseGone, ProtocolError
 from pdserve.transfer.channel.blocks import BLOCKS_PER_READ, KVBlocks, TransferStats
 from pdserve.transfer.channel.pool import SessionPool
 
@@ -53,6 +56,7 @@ class TcpConsumer:
         self._inflight: set[str] = set()
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._gone: set[str] = set()  # loads P answered `expired` (LeaseGone)
         self._loaders = PeerWorkers(4, "kv-load")  # a hung P holds only its own requests' workers
         self.keeper = LeaseKeeper(config.kv_lease_seconds, self.check_remote,
                                   lambda fn, req: self._loaders.submit(peer_of(req.kv_transfer_params), fn, req))
@@ -143,6 +147,11 @@ class TcpConsumer:
             if not bare:  # a bare done is nobody's load: the request already prefills here
                 with self._lock:
                     self._done.add(job.request_id)
+        except LeaseGone as e:
+            if not bare:  # nothing left on P to release
+                logger.info("request %s: %s: prefilling it here", job.request_id, e)
+                with self._lock:
+                    self._gone.add(job.request_id)
         except Exception as e:
             cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
             if bare:  # P frees the lease at expiry instead
@@ -179,6 +188,8 @@ class TcpConsumer:
             # the scheduler drops these blocks unpublished.
             into = self.blocks.receive_into(dst)
             header, _ = session.recv(into=into)
+            if header.get("status") == "expired":
+                raise LeaseGone(f"the producer no longer holds the KV of transfer {tid}")
             if header.get("status") != "ok" or header.get("count") != len(dst):
                 raise ProtocolError(f"producer answered {header.get('status')!r} for transfer {tid}")
             self.blocks.finish_receive(dst, into)
@@ -201,14 +212,16 @@ class TcpConsumer:
         if (req.kv_transfer_params or {}).get("do_remote_prefill"):  # verified when the request was added
             self.release_remote(req.kv_transfer_params, req.request_id)
 
-    def take_finished(self) -> tuple[set[str], dict[str, str]]:
+    def take_finished(self, out: FinishedTransfers) -> None:
+        """Engine thread: the loads that ended since the last call, into `out`."""
         with self._lock:
-            (done, self._done), (failed, self._failed) = (self._done, set()), (self._failed, {})
-        return done, failed
+            out.done_recving, self._done = self._done, set()
+            out.failed, self._failed = self._failed, {}
+            out.gone, self._gone = self._gone, set()
 
     def has_pending(self) -> bool:
         with self._lock:
-            return bool(self._inflight or self._done or self._failed or self._queued)
+            return bool(self._inflight or self._done or self._failed or self._gone or self._queued)
 
     def shutdown(self) -> None:
         self._loaders.shutdown(grace=SHUTDOWN_GRACE)

@@ -135,6 +135,7 @@ class SimNode:
         if self.connector is not None:
             self.connector.now = now
             self.scheduler.process_transfers(self.connector.get_finished())  # no load fails here
+            now = self._load_early(now)
         out = self.scheduler.schedule()
         if self.connector is not None:
             self.connector.start_load_kv(self.connector.build_connector_meta())
@@ -157,6 +158,25 @@ class SimNode:
         self.busy_until = now + dt
         return StepRecord(now, now + dt, mode.value, reason, num_tokens, desc.num_tokens, rows,
                           [r.request_id for r in out.preempted], [(r, r.num_new_tokens) for r in updated])
+
+    def _load_early(self, now: float) -> float:
+        """As the engine's `EngineStep._load_early`: the queue head's loads start before the step is scheduled
+        (`Scheduler.start_loads`), and the step waits for them up to the link's `load_wait_s` (kv_load_wait_ms), so
+        a load that ends within it joins this step. Returns when the step then starts."""
+        if not self.scheduler.start_loads():
+            return now
+        meta = self.connector.build_connector_meta()
+        pending = {job.request_id for job in meta.loads if job.dst_blocks}
+        self.connector.start_load_kv(meta)
+        ends = [end for end, rid, _, _ in self.connector.inflight if rid in pending]
+        if not ends or not self.connector.fabric.transfer.load_wait_s:
+            return now
+        deadline = now + self.connector.fabric.transfer.load_wait_s
+        start = max(ends) if max(ends) <= deadline else deadline  # the engine polls until all end, or the deadline
+        if start > now:
+            self.connector.now = start
+            self.scheduler.process_transfers(self.connector.get_finished())
+        return start
 
     def _random_token(self) -> int:
         return FIRST_TOKEN_ID + int(self.rng.random() * (self.vocab_size - FIRST_TOKEN_ID))  # randrange's cost / 3

@@ -1,0 +1,121 @@
+"""`pdserve sim` against real runs on this machine (issue 36, "Against real runs here").
+
+Per model: `pdserve sim calibrate` measures this machine's engine twice, with the OpenMP threads each real node
+gets under `bench pd` on these cores (all of them for the collocated server, half each for P and D), then `bench pd`
+runs the deployments for real (collocated, 1P1D with the default rule, 1P1D with the strict rule, by default) and
+`pdserve sim` runs the same workload (same lengths, rates, seed) on the profile of the node's thread count. The
+table compares, per deployment and rate: median TTFT, median TPOT, p99 ITL and the decode node's non-FULL step share,
+against the issue's bounds (20%, 10%, 25%, 1 percentage point).
+
+    .venv/bin/python benchmarks/sim_validate.py                        # demo model, ~5 min on 2 cores
+    .venv/bin/python benchmarks/sim_validate.py --models tiny,small --rates 2,8
+
+Run it on a quiet machine: the real runs are timed. Writes benchmarks/results/sim_validate.json (each run's files
+under --work-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+BOUNDS = {"median_ttft_ms": 0.20, "median_tpot_ms": 0.10, "p99_itl_ms": 0.25}  # relative; non-FULL share: 1 pp
+SIM_DEPLOYMENT = {"collocated": ["--deployment", "collocated"], "default": ["--deployment", "1p1d"],
+                  "strict": ["--deployment", "1p1d", "--full-graph-rule", "strict"],
+                  "first-token": ["--deployment", "1p1d", "--pd-first-token", "prefill"]}
+
+
+def pdserve(*args: str, env: dict | None = None) -> None:
+    subprocess.run([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, **(env or {})})
+
+
+def per_rate(result_dir: Path, arm: str, rate: float) -> dict:
+    d = json.loads((result_dir / f"{arm}_rate{rate:g}.json").read_text())
+    graph = d.get("graph") or {}
+    return {k: d[k] for k in BOUNDS} | {"non_full_share": graph.get("non_full_share"), "completed": d["completed"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny", help="Comma-separated qwen3 sizes made by `pdserve make-model` "
+                                                     "(default: tiny, the demo model).")
+    ap.add_argument("--arms", default="collocated,default,strict", help="bench pd arms (default: collocated,"
+                                                                         "default,strict).")
+    ap.add_argument("--rates", default="2,8", help="Request rates (default: 2,8).")
+    ap.add_argument("--num-prompts", type=int, default=48, help="Requests per rate and arm (default: 48).")
+    ap.add_argument("--random-input-len", type=int, default=128)
+    ap.add_argument("--random-output-len", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-latency-ms", type=float, default=1.3,
+                    help="The simulated KV link's latency (default: 1.3, a pull of the demo's prompt on loopback here, "
+                         "benchmarks/pd_hops.py's trace).")
+    ap.add_argument("--kv-bandwidth-gb-s", type=float, default=2.0, help="The simulated KV link's bandwidth.")
+    ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sim_validate.json"))
+    args = ap.parse_args()
+    from pdserve.model.make_model import ensure_model
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-validate-"))
+    arms, rates = args.arms.split(","), [float(r) for r in args.rates.split(",")]
+    cpus = os.cpu_count() or 1
+    workload = ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.random_input_len),
+                "--random-output-len", str(args.random_output_len), "--seed", str(args.seed)]
+    rows = []
+    for size in args.models.split(","):
+        model = str(ensure_model("qwen3", size, 0))
+        t0 = time.monotonic()
+        profiles = {}
+        for threads in sorted({cpus, max(1, cpus // 2)}):  # as bench pd's launcher gives them (launch())
+            profiles[threads] = work / f"{size}_threads{threads}.json"
+            pdserve("sim", "calibrate", "--model", model, "--out", str(profiles[threads]),
+                    env={"OMP_NUM_THREADS": str(threads)})
+        print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
+        real = work / f"{size}_real"
+        t0 = time.monotonic()
+        pdserve("bench", "pd", "--model", model, "--arms", ",".join(arms), "--rates", args.rates, *workload,
+                "--disable-tqdm", "--result-dir", str(real))
+        print(f"{size}: real runs in {time.monotonic() - t0:.0f} s", flush=True)
+        for arm in arms:
+            threads = cpus if arm == "collocated" else max(1, cpus // 2)
+            sim = work / f"{size}_sim_{arm}"
+            pdserve("sim", "--profile", str(profiles[threads]), *SIM_DEPLOYMENT[arm], "--request-rate", args.rates,
+                    *workload, "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s",
+                    str(args.kv_bandwidth_gb_s), "--quiet", "--result-dir", str(sim))
+            for rate in rates:
+                r, s = per_rate(real, arm, rate), per_rate(sim, arm, rate)  # the sim names arms as bench pd
+                row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s}
+                for k, bound in BOUNDS.items():
+                    row[k + "_error"] = (s[k] - r[k]) / r[k]
+                    row[k + "_ok"] = abs(row[k + "_error"]) <= bound
+                if r["non_full_share"] is not None and s["non_full_share"] is not None:
+                    row["non_full_pp"] = 100 * (s["non_full_share"] - r["non_full_share"])
+                    row["non_full_ok"] = abs(row["non_full_pp"]) <= 1.0
+                rows.append(row)
+    print(f"{'model':>6} {'arm':>11} {'rate':>4} | {'TTFT real':>9} {'sim':>6} {'err':>6} | {'TPOT real':>9} "
+          f"{'sim':>5} {'err':>6} | {'p99 ITL real':>12} {'sim':>5} {'err':>6} | {'non-FULL real':>13} {'sim':>6} "
+          f"{'pp':>5}")
+    for row in rows:
+        r, s = row["real"], row["sim"]
+        nf = f"{100 * r['non_full_share']:>12.2f}% {100 * s['non_full_share']:>5.2f}% {row['non_full_pp']:>5.2f}" \
+            if "non_full_pp" in row else f"{'-':>13} {'-':>6} {'-':>5}"
+        print(f"{row['model']:>6} {row['arm']:>11} {row['rate']:>4g} | {r['median_ttft_ms']:>9.1f} "
+              f"{s['median_ttft_ms']:>6.1f} {row['median_ttft_ms_error']:>+6.0%} | {r['median_tpot_ms']:>9.2f} "
+              f"{s['median_tpot_ms']:>5.2f} {row['median_tpot_ms_error']:>+6.0%} | {r['p99_itl_ms']:>12.1f} "
+              f"{s['p99_itl_ms']:>5.1f} {row['p99_itl_ms_error']:>+6.0%} | {nf}")
+    checks = [v for row in rows for k, v in row.items() if k.endswith("_ok")]
+    print(f"{sum(checks)} of {len(checks)} figures within the issue's bounds")
+    write_result(args.out, args, rows=rows, within_bounds=f"{sum(checks)}/{len(checks)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,9 +9,10 @@ all on the tiny model. Sequential requests (one at a time, so no queue), the kin
   router      a streamed completion through the router: TTFT (the client's first token is P's) and the gap to the
               second token (D's first: the hand-off, D's admission, the KV pull, D's step);
   d_direct    what the router does, from this client: P's answer with the first token, then D's stream with P's
-              params (the time to D's first chunk, which repeats P's token, and to its second, D's own first), and
-              D's Server-Timing (queue, kv_transfer, prefill: D's own engine view of the hand-off);
+              params (the time to D's first chunk, which repeats P's token, and to its second, D's own first);
   coll_gap    the collocated stream's gap between its first and second token (one decode step at idle).
+Then --cpu-requests router requests alone, and the CPU time each process of the deployment spent per request
+(router; P's and D's server processes; their engine processes): what the router's own hops cost.
 Prompts are fresh random token ids (no prefix-cache hit). Medians and p90s in ms, differences against collocated.
 
     .venv/bin/python benchmarks/pd_hops.py            # ~1 min
@@ -31,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.launcher import Deployment, free_port
-from pdserve.serve.server_timing import parse_server_timing
+from pdserve.worker.cpu_threads import process_cpu_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
@@ -40,13 +41,11 @@ REPO = Path(__file__).resolve().parent.parent
 TOKEN = "pd-hops-bench"
 
 
-def stream(client: httpx.Client, url: str, body: dict, timing: dict | None = None) -> list[float]:
-    """Seconds from send to each chunk that carries token ids (`timing` gets the answer's Server-Timing)."""
+def stream(client: httpx.Client, url: str, body: dict) -> list[float]:
+    """Seconds from send to each chunk that carries token ids."""
     t0, times = time.perf_counter(), []
     with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         r.raise_for_status()
-        if timing is not None:
-            timing.update(parse_server_timing(r.headers.get("server-timing")))
         for line in r.iter_lines():
             if line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("token_ids"):
                 times.append(time.perf_counter() - t0)
@@ -60,6 +59,26 @@ def whole(client: httpx.Client, url: str, body: dict) -> tuple[float, dict]:
     return time.perf_counter() - t0, r.json()
 
 
+def cpu_per_request(dep: Deployment, send, n: int) -> dict[str, float]:
+    """CPU ms per request of each process of the 1P1D deployment (the router, P's and D's server processes and
+    their engine processes, the servers' children) over `n` calls of `send`."""
+    def procs() -> dict[str, int]:
+        out = {}
+        for ch in dep.children:
+            if ch.name in ("router", "prefill", "decode"):
+                out[ch.name] = ch.proc.pid
+                for kid in Path(f"/proc/{ch.proc.pid}/task/{ch.proc.pid}/children").read_text().split():
+                    cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
+                    if b"resource_tracker" not in cmd:  # the engine process (multiprocessing's tracker aside)
+                        out[f"{ch.name}_engine"] = int(kid)
+        return out
+    pids = procs()
+    before = {k: process_cpu_seconds(pid) for k, pid in pids.items()}
+    for _ in range(n):
+        send()
+    return {k: (process_cpu_seconds(pid) - before[k]) / n * 1e3 for k, pid in pids.items()}
+
+
 def pct(v: list[float], q: float) -> float:
     v = sorted(v)
     return v[min(len(v) - 1, round(q * (len(v) - 1)))]
@@ -71,6 +90,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=40, help="Requests of each kind (default: 40).")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--cpu-requests", type=int, default=100, help="Router requests for the CPU split (default: 100).")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pd_hops.json"))
     args = ap.parse_args()
     if args.model is None:
@@ -94,8 +114,7 @@ def main() -> int:
         base = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
         res: dict[str, list[float]] = {k: [] for k in (
-            "collocated", "coll_gap", "p_plain", "p_pd", "router", "router_gap", "d_direct_first", "d_direct_gap",
-            "d_queue", "d_kv_transfer", "d_prefill", "d_ttft")}
+            "collocated", "coll_gap", "p_plain", "p_pd", "router", "router_gap", "d_direct_first", "d_direct_gap")}
         with httpx.Client(timeout=60) as c:
             for i in range(args.requests + 3):  # 3 warm-up rounds, not kept
                 keep = i >= 3
@@ -107,9 +126,7 @@ def main() -> int:
                 r = stream(c, router, {**base, "prompt": prompts[3]})
                 _, answer = whole(c, p, {**base, "prompt": prompts[4], "stream": False,
                                          "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
-                d_timing: dict = {}
-                dd = stream(c, d, {**base, "prompt": prompts[4], "kv_transfer_params": answer["kv_transfer_params"]},
-                            d_timing)
+                dd = stream(c, d, {**base, "prompt": prompts[4], "kv_transfer_params": answer["kv_transfer_params"]})
                 if keep:
                     res["collocated"].append(t[0])
                     res["coll_gap"].append(t[1] - t[0])
@@ -119,15 +136,17 @@ def main() -> int:
                     res["router_gap"].append(r[1] - r[0])
                     res["d_direct_first"].append(dd[0])
                     res["d_direct_gap"].append(dd[1] - dd[0])
-                    for k in ("queue", "kv_transfer", "prefill", "ttft"):
-                        res["d_" + k].append(d_timing.get(k, float("nan")))
                 time.sleep(0.05)
+            cpu = cpu_per_request(dep, lambda: stream(c, router, {**base, "prompt": [
+                rng.randrange(3, 8000) for _ in range(args.prompt_len)]}), args.cpu_requests)
     finally:
         dep.stop()
     summary = {k: {"median_ms": statistics.median(v) * 1e3, "p90_ms": pct(v, 0.9) * 1e3} for k, v in res.items()}
     for k, s in summary.items():
         print(f"{k:>14}: median {s['median_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms")
-    write_result(args.out, args, summary=summary, raw_s=res)
+    for k, ms in cpu.items():
+        print(f"{k:>14}: {ms:6.2f} ms of CPU per router request")
+    write_result(args.out, args, summary=summary, cpu_ms_per_router_request=cpu, raw_s=res)
     return 0
 
 

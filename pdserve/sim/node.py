@@ -80,6 +80,10 @@ class SimNode:
         self.uniform_query_len = 1 + config.num_speculative_tokens
         self.rule = config.compilation.full_graph_rule
         self.is_pd_consumer = connector is not None and connector.role == "kv_consumer"
+        # the engine on this device schedules a step while the last one runs (CUDA's default, not with spec decode,
+        # as LLMEngine decides): it starts loads after schedule() and never waits (EngineStep._load_early is sync's)
+        self.async_engine = config.scheduler.use_async_scheduling("cuda" if device == "cuda" else "cpu") and \
+            config.speculative_config is None
         self.graph_stats = GraphStats(device, captured=False)
         self.spec_acceptance = spec_acceptance if config.speculative_config is not None else 0.0
         self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
@@ -163,7 +167,7 @@ class SimNode:
         """As the engine's `EngineStep._load_early`: the queue head's loads start before the step is scheduled
         (`Scheduler.start_loads`), and the step waits for them up to the link's `load_wait_s` (kv_load_wait_ms), so
         a load that ends within it joins this step. Returns when the step then starts."""
-        if not self.scheduler.start_loads():
+        if self.async_engine or not self.scheduler.start_loads():
             return now
         meta = self.connector.build_connector_meta()
         pending = {job.request_id for job in meta.loads if job.dst_blocks}

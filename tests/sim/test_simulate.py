@@ -183,24 +183,28 @@ def test_a_request_that_preempts_itself_does_not_stall_its_node(linear_profile):
     assert all(r.success for r in results) and [r.output_tokens for r in results] == [150, 10]
 
 
-@pytest.mark.parametrize("wait_ms", [0.0, 2.0])
-def test_d_waits_for_its_early_loads_as_the_engine_does(linear_profile, wait_ms):
+@pytest.mark.parametrize("device,wait_ms", [("cpu", 0.0), ("cpu", 2.0), ("cuda", 2.0)])
+def test_d_waits_for_its_early_loads_as_the_engine_does(device, wait_ms):
     """kv_load_wait_ms (the engine's EngineStep._load_early): D starts the queue head's load before its step and
     waits up to the wait for it, so a 1 ms load joins the first step D starts after the request reached it; with no
-    wait it joins the next one. The running request's gap then holds the wait."""
+    wait it joins the next one, and so it does on CUDA, where the engine schedules a step while the last one runs
+    (async scheduling: no early loads, no wait). The running request's gap then holds the wait."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    waits = device == "cpu" and wait_ms > 0
     trace = [TraceRequest("a", 0.0, 64, 80), TraceRequest("b", 0.05, 64, 4)]
     steps = []
-    simulate(trace, parse_deployment("1p1d"), cfg(), linear_profile,
+    simulate(trace, parse_deployment("1p1d"), cfg(), profile_from_dict({**LINEAR, "device": device}),
              transfer=TransferModel(1e12, 0.001, load_wait_s=wait_ms / 1000),
              on_step=lambda node, rec: steps.append((node.name, rec)))
     p_done = next(rec.end for name, rec in steps if name == "prefill0" and any(r[0] == "b" for r in rec.rows))
     d = [rec for name, rec in steps if name == "decode0"]
     first = next(i for i, rec in enumerate(d) if rec.start >= p_done)  # D's first step after b reached it
     joined = next(i for i, rec in enumerate(d) if any(r[0] == "b" for r in rec.rows))
-    assert joined - first == (0 if wait_ms else 1)
+    assert joined - first == (0 if waits else 1)
     gaps = [b.start - a.end for a, b in zip(d, d[1:])]  # a decodes throughout: D is never idle
-    assert max(gaps) == pytest.approx(0.001 if wait_ms else 0.0, abs=1e-6)  # the wait: until the load ended
-    assert gaps.index(max(gaps)) == first - 1 or not wait_ms
+    assert max(gaps) == pytest.approx(0.001 if waits else 0.0, abs=1e-6)  # the wait: until the load ended
+    assert gaps.index(max(gaps)) == first - 1 or not waits
 
 
 def test_a_load_wait_out_of_range_is_refused():

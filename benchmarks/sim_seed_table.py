@@ -9,7 +9,7 @@ shipped roofline profiles (pdserve/sim/profiles/, fitted by benchmarks/sim_seed_
 Prints, per row, the simulated figure beside the seed's: the non-FULL share of D's steps in both arms (and the
 difference in percentage points), mean and p99 TPOT, p99 ITL, median TTFT; and what fell off FULL on D under the
 default rule (the graph metrics' reasons, D's preemptions). Deterministic: fixed seeds (--seed), no wall clock in
-the figures.
+the figures. The whole table takes about 1 min 40 s on this repository's 2-core machine.
 
 What the seed ran that is not in its text is taken as vLLM's defaults for a B200 (one GPU over 70 GiB, the OpenAI
 server): max_num_seqs 1024, max_num_batched_tokens 8192, block size 16, prefix caching and chunked prefill on,
@@ -100,7 +100,9 @@ def kv_cache_gib(key: str) -> float:
     """vLLM's KV cache on one B200 at gpu_memory_utilization 0.9: that share of the device less the weights (all of
     them, embedding included) and NON_KV_RESERVE_GIB."""
     m = model_fields(ARCH[key])
-    return GPU_MEMORY_UTILIZATION * B200_MEMORY_GIB - m["parameters"] * DTYPE_BYTES / 2 ** 30 - NON_KV_RESERVE_GIB
+    # to 0.01 GiB, so that `pdserve sim --kv-cache-memory-gb` with the printed figure sizes the same cache
+    return round(GPU_MEMORY_UTILIZATION * B200_MEMORY_GIB - m["parameters"] * DTYPE_BYTES / 2 ** 30
+                 - NON_KV_RESERVE_GIB, 2)
 
 
 # vLLM's default for a GPU of 70 GiB or more behind the OpenAI server; the seed does not say which it ran with
@@ -194,6 +196,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b,llama-3-8b", help="Comma-separated: qwen3-0.6b, llama-3-8b.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the arrivals and token ids (default: 0).")
+    p.add_argument("--workloads", default=None, metavar="LIST",
+                   help="Only these of the seed's workloads, ISL/OSL@rate comma-separated (e.g. 4096/1024@16; "
+                        "default: all six).")
     p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
                    help=f"D's and P's max_num_seqs (default: {MAX_NUM_SEQS}, vLLM's for a B200; the seed does not "
                         "say).")
@@ -202,13 +207,21 @@ def main() -> int:
                         "--max-num-seqs sim_seed_table_seqs<N>.json).")
     args = p.parse_args()
     if args.out is None:
-        tail = "" if args.max_num_seqs == MAX_NUM_SEQS else f"_seqs{args.max_num_seqs}"
+        tail = ("" if args.max_num_seqs == MAX_NUM_SEQS else f"_seqs{args.max_num_seqs}") + \
+            (f"_seed{args.seed}" if args.seed else "")
         args.out = str(ROOT / f"benchmarks/results/sim_seed_table{tail}.json")
+    workloads = WORKLOADS
+    if args.workloads:
+        names = {f"{i}/{o}@{r:g}": (i, o, r) for i, o, r in WORKLOADS}
+        unknown = [w for w in args.workloads.split(",") if w not in names]
+        if unknown:
+            p.error(f"--workloads: {unknown[0]} is not one of {', '.join(names)}")
+        workloads = [names[w] for w in args.workloads.split(",")]
     t0 = time.perf_counter()
     rows = []
     for key in args.models.split(","):
         profile = load_profile(PROFILE_NAME[key])
-        for isl, osl, rate in WORKLOADS:
+        for isl, osl, rate in workloads:
             row = {"model": key, "profile": PROFILE_NAME[key], "isl": isl, "osl": osl, "rate": rate,
                    "seed": seed_row(key, isl, osl, rate)}
             for arm, rule in ARMS:

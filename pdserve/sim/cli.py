@@ -68,9 +68,10 @@ def add_workload_args(p: argparse.ArgumentParser, rates: str, num_prompts: int =
 def add_fleet_args(p: argparse.ArgumentParser):
     """The profile, the router, the KV fabric, the stand-in model: what every node of any deployment shares."""
     d = p.add_argument_group("deployment and models")
-    d.add_argument("--profile", default=None, metavar="FILE.json",
-                   help="Step-time profile (required): `pdserve sim calibrate` writes a linear one; a roofline one "
-                        "describes a GPU (docs/sim.md).")
+    d.add_argument("--profile", default=None, metavar="FILE.json|NAME",
+                   help="Step-time profile (required): a file (`pdserve sim calibrate` writes a linear one; a roofline "
+                        "one describes a GPU, docs/sim.md) or a shipped profile's name (qwen3-0.6b-b200, "
+                        "llama-3-8b-b200: the seed's setups, fitted to its published TPOT).")
     d.add_argument("--router-policy", choices=("round-robin", "least-loaded"), default="round-robin",
                    help="The router's pick among nodes, its own code (default: round-robin).")
     d.add_argument("--kv-bandwidth-gb-s", type=float, default=DEFAULT_BANDWIDTH_GB_S,

@@ -5,10 +5,14 @@ A profile is a JSON object with a `type`, checked field by field on load (an err
 
 - `linear` (fitted by `pdserve sim calibrate` from this machine's engine):
   t = base_s[mode] + per_token_s x padded tokens + per_row_s x rows + per_context_token_s x KV tokens read
-- `roofline` (a GPU from its datasheet): t = step_overhead_s[mode] + max(bytes / bandwidth, FLOPs / peak), bytes
-  the weights plus the KV read and written, FLOPs the dense layers' per padded token plus attention's per
-  (query, key) pair.
+- `roofline` (a GPU from its datasheet): t = step_overhead_s[mode] + max(bytes / (bandwidth x memory_efficiency),
+  FLOPs / peak), bytes the weights plus the KV read and written, FLOPs the dense layers' per padded token plus
+  attention's per (query, key) pair; `gpu.memory_efficiency` (default 1) is the share of the datasheet's bandwidth a
+  step's kernels achieve, fitted with the overheads to measured step times (the shipped profiles).
 
+Shipped profiles (pdserve/sim/profiles/*.json) load by their file's stem, e.g. `--profile qwen3-0.6b-b200`.
+
+Both may carry a `fit` object: how the free parameters were found (informational, kept in results).
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
@@ -101,7 +105,7 @@ class RooflineProfile:
     weight_bytes: float
     flops_per_token: float
     attention_flops_per_pair: float
-    bandwidth: float  # bytes/s
+    bandwidth: float  # bytes/s achieved: the datasheet's times gpu.memory_efficiency
     peak_flops: float  # FLOP/s
     overhead_s: dict
     raw: dict
@@ -127,19 +131,29 @@ def profile_from_dict(d: dict) -> Profile:
                              _number(c, "per_token_s", "coefficients."), _number(c, "per_row_s", "coefficients."),
                              _number(c, "per_context_token_s", "coefficients."), d)
     if kind == "roofline":
-        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s"), "")
+        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s", "fit"), "")
+        if not isinstance(d.get("fit", {}), dict):
+            raise ProfileError(f"fit: must be an object, got {d['fit']!r}"[:120])
         m = _section(d, "model")
         g = _section(d, "gpu")
-        _only(g, ("name", "memory_bandwidth_gb_s", "peak_tflops"), "gpu.")
+        _only(g, ("name", "memory_bandwidth_gb_s", "peak_tflops", "memory_efficiency"), "gpu.")
+        eff = _fraction(g, "memory_efficiency", "gpu.") if "memory_efficiency" in g else 1.0
         return RooflineProfile(ModelShape.from_dict(m, ("weight_bytes", "flops_per_token", "attention_flops_per_pair")),
                                _number(m, "weight_bytes", "model.", positive=True),
                                _number(m, "flops_per_token", "model.", positive=True),
                                _number(m, "attention_flops_per_pair", "model.") if "attention_flops_per_pair" in m
                                else 0.0,
-                               _number(g, "memory_bandwidth_gb_s", "gpu.", positive=True) * 1e9,
+                               _number(g, "memory_bandwidth_gb_s", "gpu.", positive=True) * 1e9 * eff,
                                _number(g, "peak_tflops", "gpu.", positive=True) * 1e12,
                                _per_mode(d, "step_overhead_s"), d)
     raise ProfileError(f"type: must be 'linear' or 'roofline', got {kind!r}"[:120] if "type" in d else "type: missing")
+
+
+def _fraction(d: dict, key: str, where: str) -> float:
+    v = _number(d, key, where, positive=True)
+    if v > 1:
+        raise ProfileError(f"{where}{key}: must be a fraction in (0, 1], got {v!r}")
+    return v
 
 
 def _base(c: dict) -> dict[str, float]:
@@ -148,8 +162,24 @@ def _base(c: dict) -> dict[str, float]:
     return {m: _number(sec, m, "coefficients.base_s.") for m in MODES}
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the profiles shipped with pdserve (pdserve/sim/profiles/NAME.json)."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
+
+
 def load_profile(path: Union[str, Path]) -> Profile:
-    """The profile in `path`; ProfileError (a ValueError) naming the file and the bad field."""
+    """The profile in `path`, or the shipped profile of that name (a bare name with no such file here); ProfileError
+    (a ValueError) naming the file and the bad field."""
+    # a path wins over a shipped name, so a local copy named like a shipped profile is the one read
+    if isinstance(path, str) and "/" not in path and not path.endswith(".json") and not Path(path).exists():
+        if (SHIPPED_DIR / f"{path}.json").is_file():
+            path = SHIPPED_DIR / f"{path}.json"
+        else:
+            raise ProfileError(f"--profile {path}: no such file, nor a shipped profile (shipped: "
+                               f"{', '.join(shipped_profiles()) or 'none'})")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_seed_table import (ARCH, B200, PROFILE_NAME, SEED, WORKLOADS, engine_config,  # noqa: E402
-                                       model_fields, pin_hash_seed, trace_for, transfer_model)
+                                       model_fields, trace_for, transfer_model)
 
 MODES = ("FULL", "PIECEWISE", "NONE")
 START = {"FULL": 1e-3, "PIECEWISE": 3e-3, "efficiency": 0.8}
@@ -195,7 +195,6 @@ def simulate_ttft(key: str, profile, w: tuple, seed: int) -> float:
 
 
 def main() -> int:
-    pin_hash_seed()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b,llama-3-8b")
     p.add_argument("--iterations", type=int, default=4)

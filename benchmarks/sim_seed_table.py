@@ -8,8 +8,8 @@ shipped roofline profiles (pdserve/sim/profiles/, fitted by benchmarks/sim_seed_
 
 Prints, per row, the simulated figure beside the seed's: the non-FULL share of D's steps in both arms (and the
 difference in percentage points), mean and p99 TPOT, p99 ITL, median TTFT; and what fell off FULL on D under the
-default rule (the graph metrics' reasons, D's preemptions). Deterministic: fixed seeds (--seed), PYTHONHASHSEED
-pinned (the script re-runs itself with it), no wall clock in the figures. The whole table takes about 1 min 40 s
+default rule (the graph metrics' reasons, D's preemptions). Deterministic: fixed seeds (--seed), no wall clock in
+the figures. The whole table takes about 1 min 40 s
 on this repository's 2-core machine.
 
 What the seed ran that is not in its text is taken as vLLM's defaults for a B200 (one GPU over 70 GiB, the OpenAI
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -193,18 +192,8 @@ def seed_row(key: str, isl: int, osl: int, rate: float) -> dict:
     return {arm: {c: v[i] for c, v in zip(COLUMNS, vals)} for i, (arm, _) in enumerate(ARMS)}
 
 
-def pin_hash_seed() -> None:
-    """Re-run this script with PYTHONHASHSEED=0 unless it is: the engine takes the KV loads that end in one poll in a
-    set's order (core/kv_transfers.py, request ids), which follows Python's per-process string hashing, and where
-    several end together (the overloaded rows) the order of their replays moves a median TTFT by a few percent."""
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        os.environ["PYTHONHASHSEED"] = "0"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
-
-
 def main() -> int:
     from pdserve.sim.profile import load_profile
-    pin_hash_seed()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b,llama-3-8b", help="Comma-separated: qwen3-0.6b, llama-3-8b.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the arrivals and token ids (default: 0).")

@@ -116,7 +116,9 @@ class KVTransfers:
         failed one is recomputed locally or fails. Returns (requests to prefill locally, each put at the queue's front
         in turn; (request, why) to fail): the scheduler's queues are the scheduler's."""
         now = time.monotonic()
-        for rid in fin.done_sending:
+        # Finished transfers come as sets; they are applied in the order the leases and loads began (these dicts'
+        # order), so what a step schedules next (and which freed blocks are evicted first) never hangs on hashing.
+        for rid in [r for r in self.leased if r in fin.done_sending]:
             req = self.leased.pop(rid, None)
             if req is not None:
                 self.kv.free(req)
@@ -136,7 +138,8 @@ class KVTransfers:
                     del self.held[rid]
                 failed_loads.setdefault(held, "the overdue load ended")
         recompute, failed = [], []
-        for rid in fin.done_recving | set(failed_loads) | fin.gone:
+        ended = fin.done_recving | set(failed_loads) | fin.gone
+        for rid in dict.fromkeys(r for r in (*self.deferred_free, *self.loading) if r in ended):
             if rid in self.deferred_free:
                 self.kv.free(self.deferred_free.pop(rid))
                 self.reclaim.observe(now - self._orphaned_at.pop(rid, now))

@@ -65,6 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     from pdserve.model.make_model import ensure_model
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-validate-"))
+    work.mkdir(parents=True, exist_ok=True)
     arms, rates = args.arms.split(","), [float(r) for r in args.rates.split(",")]
     cpus = os.cpu_count() or 1
     workload = ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.random_input_len),

@@ -156,8 +156,7 @@ class LLMEngine:
                      arrival_time: Optional[float] = None, kv_transfer_params: Optional[dict] = None,
                      cache_salt: Optional[str] = None) -> Request:
         """The request checked (tokenized, validated, its kv_transfer_params verified: ValueError, the client's
-        fault) and built, not yet added: a decode node's engine loop checks a P/D request once, asks P whether it
-        still holds the KV, then `add`s it."""
+        fault) and built, not yet added (the engine loop `add`s it)."""
         params = params or self.default_sampling_params()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}"[:120])

@@ -8,7 +8,8 @@ A decode node's (D) request with remote-prefill params:
    lasts it waits at the queue's head ("blocked"); otherwise it prefills locally;
 3. `process` (each step, the connector's `FinishedTransfers`): a loaded request goes to `ready` (its replay, or
    with P's first token its first decode, takes a seat next); a failed one is recomputed locally (handed back to
-   requeue) or failed, by the failure policy; a load that cannot be stopped and is overdue (`overdue`) lets its
+   requeue) or failed, by the failure policy; one P no longer held the KV for (`gone`: P answered `expired`) is
+   recomputed locally whatever the policy; a load that cannot be stopped and is overdue (`overdue`) lets its
    request go on while its blocks stay held under a stand-in id until the load `ended`;
 4. `finish`: a request finished while loading leaves its blocks in `deferred_free` until its load reports.
 A prefill node's (P) finished request whose blocks the connector keeps for a reader sits in `leased` until the
@@ -118,7 +119,7 @@ class KVTransfers:
         now = time.monotonic()
         # Finished transfers come as sets; they are applied in the order the leases and loads began (these dicts'
         # order), so what a step schedules next (and which freed blocks are evicted first) never hangs on hashing.
-        for rid in [r for r in self.leased if r in fin.done_sending]:
+        for rid in [r for r in self.leased if r in fin.done_sending] if fin.done_sending else ():
             req = self.leased.pop(rid, None)
             if req is not None:
                 self.kv.free(req)
@@ -139,7 +140,7 @@ class KVTransfers:
                 failed_loads.setdefault(held, "the overdue load ended")
         recompute, failed = [], []
         ended = fin.done_recving | set(failed_loads) | fin.gone
-        for rid in dict.fromkeys(r for r in (*self.deferred_free, *self.loading) if r in ended):
+        for rid in dict.fromkeys(r for r in (*self.deferred_free, *self.loading) if r in ended) if ended else ():
             if rid in self.deferred_free:
                 self.kv.free(self.deferred_free.pop(rid))
                 self.reclaim.observe(now - self._orphaned_at.pop(rid, now))

@@ -83,7 +83,8 @@ class Scheduler:
     def process_transfers(self, fin) -> list[Request]:
         """Apply the connector's finished transfers (KVTransfers.process); returns the requests that failed."""
         recompute, failed = self.transfers.process(fin)
-        self.waiting.extendleft(recompute)  # each to the front in turn: they came before what arrived while loading
+        # to the queue's front, in the order their loads began: they came before what arrived while they loaded
+        self.waiting.extendleft(reversed(recompute))
         self.waiting.extendleft(req for req, _ in failed)  # finish_request takes them from there
         return [self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, why) for req, why in failed]
 

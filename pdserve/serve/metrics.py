@@ -71,11 +71,11 @@ class EngineCollector:
         g, c = GaugeMetricFamily, CounterMetricFamily
         yield self._one(g, "vllm:num_requests_running", "Number of requests in model execution batches.", s["running"])
         yield self._one(g, "vllm:num_requests_waiting", "Number of requests waiting to be processed (a decode "
-                        "node's included while their KV loads or their prefill node's lease is checked).",
+                        "node's included while their KV loads).",
                         s["waiting"])
         by = g("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason: 'capacity' = waiting "
-               "for a seat or KV blocks; 'deferred' = waiting on a KV transfer or on the prefill node's lease "
-               "answer. Sums to vllm:num_requests_waiting.", labels=LABELS + ["reason"])
+               "for a seat or KV blocks; 'deferred' = waiting on a KV transfer. Sums to "
+               "vllm:num_requests_waiting.", labels=LABELS + ["reason"])
         by.add_metric(self.lab + ["capacity"], s["waiting"] - s["waiting_deferred"])
         by.add_metric(self.lab + ["deferred"], s["waiting_deferred"])
         yield by
@@ -133,7 +133,8 @@ class EngineCollector:
                                ("pdserve_kv_transfer_receive_seconds", "Seconds spent receiving KV.",
                                 "seconds_receiving")):
             yield self._one(c, name, doc, t.get(key, 0))
-        f = c("pdserve_kv_transfer_failures", "KV loads that failed, by reason.", labels=LABELS + ["reason"])
+        f = c("pdserve_kv_transfer_failures", "KV loads that failed, by reason (lease_gone: the prefill node no "
+              "longer held the KV, so this node prefilled the request).", labels=LABELS + ["reason"])
         for reason, n in sorted((t.get("failures") or {}).items()):
             f.add_metric(self.lab + [str(reason)], n)
         yield f

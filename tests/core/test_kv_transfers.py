@@ -172,3 +172,35 @@ def test_full_pool_recompute_waits_for_the_held_blocks():
     while sched.has_unfinished():
         step(sched, kv, conn)
     assert not kv.req_blocks and kv.num_free_blocks() == 3
+
+
+def test_a_gone_lease_recomputes_whatever_the_policy_and_a_failed_load_does_not():
+    """P answered `expired` (LeaseGone): nothing failed, so the request is prefilled here even under policy fail;
+    a load that failed beside it in the same poll fails by the policy. The pool is whole at the end."""
+    sched, kv, conn = make(policy="fail")
+    sched.add_request(remote("gone", 4 * 2 + 1))
+    sched.add_request(remote("broken", 4 * 2))
+    step(sched, kv, conn)
+    assert set(sched.transfers.loading) == {"gone", "broken"}
+    conn.next = FinishedTransfers(failed={"broken": "KV load failed (ProtocolError)"}, gone={"gone"})
+    out, failed = step(sched, kv, conn)
+    assert [r.request_id for r in failed] == ["broken"] and failed[0].status == RequestStatus.FINISHED_ERROR
+    assert [(r.request.request_id, r.num_computed_tokens) for r in out.rows] == [("gone", 0)]  # prefilled here
+    while sched.has_unfinished():
+        step(sched, kv, conn)
+    assert not kv.req_blocks and kv.num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_loads_that_end_in_one_poll_are_taken_in_the_order_they_began():
+    """Finished transfers come as sets; the requests they free go back in the order their loads began (not the
+    sets' order, which follows Python's string hashing): the replays, and the recomputes at the queue's front."""
+    ids = [f"r{i}" for i in (5, 1, 9, 3)]
+    for ended in ("done_recving", "gone"):
+        sched, kv, conn = make(num_blocks=64)
+        for rid in ids:
+            sched.add_request(remote(rid, 4 * 2))
+        step(sched, kv, conn)
+        assert list(sched.transfers.loading) == ids
+        conn.next = FinishedTransfers(**{ended: set(reversed(ids))})
+        out, _ = step(sched, kv, conn)
+        assert [r.request.request_id for r in out.rows] == ids, ended

@@ -84,6 +84,7 @@ class FuzzConnector(KVConnector):
         self._inflight: dict[str, Load] = {}
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._gone: set[str] = set()  # loads P answered `expired`: prefilled on D, whatever the policy
         self.events: dict[str, list[str]] = defaultdict(list)  # per request, what D did with its transfer
 
     def _tid(self, req) -> Optional[str]:
@@ -187,18 +188,20 @@ class FuzzConnector(KVConnector):
                 self.p.release(load.job.params["transfer_id"])
                 self._done.add(rid)
                 self.events[rid].append("loaded")
+            elif load.expired:  # P answered `expired` (LeaseGone): D prefills it whatever the policy
+                self._gone.add(rid)
+                self.events[rid].append("gone")
             else:
-                if not load.expired:
-                    self._write(load.job, lease, garbage=True)
-                    lease.load_failed = True
+                self._write(load.job, lease, garbage=True)
+                lease.load_failed = True
                 self._failed[rid] = f"KV load failed ({why})"
                 self.events[rid].append(f"failed:{why}")
-        out = FinishedTransfers(done_recving=self._done, failed=self._failed)
-        self._done, self._failed = set(), {}
+        out = FinishedTransfers(done_recving=self._done, failed=self._failed, gone=self._gone)
+        self._done, self._failed, self._gone = set(), {}, set()
         return out
 
     def has_pending(self) -> bool:
-        return bool(self._queued or self._inflight or self._done or self._failed)
+        return bool(self._queued or self._inflight or self._done or self._failed or self._gone)
 
     def max_wait_steps(self) -> int:
         """The longest a load lives: it ends by its timeout (a slower answer fails there)."""

@@ -201,9 +201,9 @@ def post_d(dep, prompt: str, params: dict) -> httpx.Response:
 
 def test_stale_proofs_are_prefilled_on_d(dep):
     """Authentic params whose KV P no longer holds: used once already (P released the lease on D's `done`), or held
-    past the lease (a D that stalled). D asks P at admission and prefills the prompt itself: the same text, no
-    client error, X-PD-KV-Unused; P's pool is whole. Extra fields beside P's (what a router might add) are
-    accepted quietly."""
+    past the lease (a D that stalled). D's load finds the KV gone (P answers `expired`) and D prefills the prompt
+    itself: the same text, no client error, X-PD-KV-Unused; P's pool is whole. Extra fields beside P's (what a
+    router might add) are accepted quietly."""
     from pdserve.serve.server_timing import KV_UNUSED_HEADER
     params = prefill_on_p(dep, PROMPTS[0])
     first = post_d(dep, PROMPTS[0], {**params, "router_added": 1})

@@ -50,7 +50,7 @@ def assert_loop_whole(loop: Loop) -> None:
 
 @pytest.mark.parametrize("first_token", [False, True], ids=["replay", "first-token"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_lease_gone_before_admission_is_prefilled_here(qwen3_tiny, collocated, first_token, policy):
+def test_a_lease_gone_before_the_load_is_prefilled_here(qwen3_tiny, collocated, first_token, policy):
     """D's load asks P for the KV and P no longer holds it (its lease expired while D stalled past
     kv_lease_seconds; the same answer as a lease released, used, or lost with a restarted P): P answers `expired`
     (LeaseGone) and D prefills the prompt itself, whatever kv_load_failure_policy, and says it took none of P's KV

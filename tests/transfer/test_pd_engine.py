@@ -589,7 +589,7 @@ def test_pd_over_tls_equals_collocated(tls_p, certs, qwen3_tiny, collocated):
 @pytest.mark.parametrize("d_tls", ["none", "wrong_ca"])
 def test_tls_mismatch_fails_cleanly_and_recomputes(tls_p, certs, qwen3_tiny, collocated, caplog, d_tls, monkeypatch):
     """D without TLS, or trusting another CA, against a TLS P: refused at once, D prefills locally. The refusal is
-    held (tcp_pool.REFUSED_HOLD): the requests' later lease checks, loads and `done`s fail without dialing again
+    held (tcp_pool.REFUSED_HOLD): the requests' later loads, renewals and `done`s fail without dialing again
     (before: three handshakes per request, each with its log line)."""
     import ssl
 

@@ -328,7 +328,7 @@ def queue_on_decode(dep, prompt: str) -> socket.socket:
     d = dep["D"]
     sock = raw_request(d.url, body(prompt, stream=True, kv_transfer_params=prefilled(dep, prompt)))
     deadline = time.monotonic() + 10
-    # once P has answered D's lease check (a deferred wait), it waits for the seat: a capacity wait
+    # once its KV is loaded (a deferred wait), it waits for the seat: a capacity wait
     while metric(d.url, "vllm:num_requests_waiting_by_reason", reason="capacity") < 1:
         assert time.monotonic() < deadline, "the P/D request never waited in D's queue"
         time.sleep(0.05)

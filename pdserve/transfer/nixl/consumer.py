@@ -128,6 +128,7 @@ class NixlConsumer:
                 self._reads.append(_Read(job, xfer, name, endpoint, queued, deadline))
                 self._cv.notify()
         except LeaseGone as e:  # nothing claimed, nothing left on P: prefilled here, whatever the policy
+            self.stats.count("lease_gone")
             logger.info("request %s: %s: prefilling it here", job.request_id, e)
             with self._cv:
                 self._events.append(("gone", job.request_id, str(e), None))

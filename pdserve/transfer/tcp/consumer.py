@@ -149,6 +149,7 @@ class TcpConsumer:
                     self._done.add(job.request_id)
         except LeaseGone as e:
             if not bare:  # nothing left on P to release
+                self.stats.count("lease_gone")
                 logger.info("request %s: %s: prefilling it here", job.request_id, e)
                 with self._lock:
                     self._gone.add(job.request_id)

@@ -83,14 +83,19 @@ def main() -> int:
     settings = [(rev, float(w)) for rev in args.revs.split(",") for w in args.waits.split(",")]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kv-load-wait-"))
     runs = []
-    for r in range(args.rounds):
-        order = settings if r % 2 == 0 else settings[::-1]  # alternating: no setting always runs first
-        for rev, w in order:
-            t0 = time.monotonic()
-            rows = bench_pd(args.model, w, work / f"round{r}_{rev.strip('.') or 'here'}_wait{w:g}", args,
-                            tree(rev, work))
-            runs.append({"round": r, "rev": rev, "wait_ms": w, "rows": rows})
-            print(f"round {r} rev {rev} wait {w:g} ms: {time.monotonic() - t0:.0f} s", flush=True)
+    try:
+        for r in range(args.rounds):
+            order = settings if r % 2 == 0 else settings[::-1]  # alternating: no setting always runs first
+            for rev, w in order:
+                t0 = time.monotonic()
+                rows = bench_pd(args.model, w, work / f"round{r}_{rev.strip('.') or 'here'}_wait{w:g}", args,
+                                tree(rev, work))
+                runs.append({"round": r, "rev": rev, "wait_ms": w, "rows": rows})
+                print(f"round {r} rev {rev} wait {w:g} ms: {time.monotonic() - t0:.0f} s", flush=True)
+    finally:  # the worktrees go (their runs' files stay under --work-dir)
+        for rev in {rev for rev, _ in settings if rev != "."}:
+            subprocess.run(["git", "worktree", "remove", "--force", str(work / f"tree-{rev}")], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = []
     gap_keys = ("first_gap_median_ms", "first_gap_p90_ms", "other_gaps_p99_ms")
     for rev, w in settings:

@@ -9,9 +9,9 @@ exactly as on a real D; its load completes at now + transfer time, reported by `
 or after that time, and releases P's lease (D's `done` rides its last read, as TcpConnector's).
 
 What fails, as on a real pair: P's lease expires `lease_seconds` after P's answer (P frees the blocks at its first
-poll after that; a D whose request queued past it prefills locally: `KVTransfers.start_load`, and a load started on
-an expired lease ends at once, gone: prefilled on D whatever the failure policy); a started load fails with
-probability `load_failure_rate` (seeded), reported when it would have ended; a failed load is recomputed on D
+poll after that; a D whose request queued past it prefills locally: `KVTransfers.start_load`, which starts no load
+on a lease already over, so P never answers a simulated read `expired`); a started load fails with probability
+`load_failure_rate` (seeded), reported when it would have ended; a failed load is recomputed on D
 (`kv_load_failure_policy` recompute) and tells P `done`.
 """
 from __future__ import annotations
@@ -24,8 +24,6 @@ from typing import Optional
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job
-
-EXPIRED = "the prefill node's lease expired"  # a load's answer from P that no longer holds the lease
 
 
 class TransferModel:
@@ -64,7 +62,7 @@ class Fabric:
         self.producers: dict[str, "SimConnector"] = {}
         self.bytes_moved = 0.0
         self.rng = random.Random(seed)  # which loads fail
-        self.failed_loads = 0  # loads that failed (the failure rate, or an expired lease)
+        self.failed_loads = 0  # loads that failed (the failure rate)
         self.expired_leases = 0  # leases P ended at their expiry, unread
 
     def release(self, params: dict) -> None:
@@ -137,22 +135,21 @@ class SimConnector(KVConnector):
             self.load_times[job.request_id] = [self.now, math.nan]
             fabric, ends = self.fabric, self.now + self.fabric.transfer.seconds(num_bytes)
             why = ""
-            if job.params.get("lease_expires", math.inf) <= self.now:  # P answers the first read: no such lease
-                why, ends = EXPIRED, self.now
-            elif fabric.transfer.load_failure_rate and fabric.rng.random() < fabric.transfer.load_failure_rate:
+            if fabric.transfer.load_failure_rate and fabric.rng.random() < fabric.transfer.load_failure_rate:
                 why = "simulated load failure"
             else:
                 fabric.bytes_moved += num_bytes
             heapq.heappush(self.inflight, (ends, job.request_id, job.params, why))
 
+    def load_ends(self, request_ids: set[str]) -> list[float]:
+        """When the loads in flight of `request_ids` end (are seen by a poll at or after that time)."""
+        return [end for end, rid, _, _ in self.inflight if rid in request_ids]
+
     def get_finished(self) -> FinishedTransfers:
         fin = FinishedTransfers()
         while self.inflight and self.inflight[0][0] <= self.now:
             _, rid, params, why = heapq.heappop(self.inflight)
-            if why == EXPIRED:  # P answered `expired` (LeaseGone): D prefills it, whatever the policy
-                fin.gone.add(rid)
-                self.fabric.failed_loads += 1
-            elif why:
+            if why:
                 fin.failed[rid] = why
                 self.fabric.failed_loads += 1
             else:

@@ -172,7 +172,7 @@ class SimNode:
         meta = self.connector.build_connector_meta()
         pending = {job.request_id for job in meta.loads if job.dst_blocks}
         self.connector.start_load_kv(meta)
-        ends = [end for end, rid, _, _ in self.connector.inflight if rid in pending]
+        ends = self.connector.load_ends(pending)
         if not ends or not self.connector.fabric.transfer.load_wait_s:
             return now
         deadline = now + self.connector.fabric.transfer.load_wait_s

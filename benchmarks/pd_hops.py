@@ -92,6 +92,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--cpu-requests", type=int, default=100, help="Router requests for the CPU split (default: 100).")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pd_hops.json"))
+    ap.add_argument("--profile-router", metavar="FILE", default=None,
+                    help="Run the router under cProfile and write its stats (pstats format) to FILE at its exit: "
+                         "where the router's CPU per request goes.")
     args = ap.parse_args()
     if args.model is None:
         from pdserve.model.make_model import ensure_model
@@ -107,8 +110,10 @@ def main() -> int:
         p = dep.spawn("prefill", [*serve, "--pd-first-token", "prefill", "--kv-transfer-config",
                                   json.dumps(producer)], free_port(), env)
         d = dep.spawn("decode", [*serve, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
+        profiled = [sys.executable, "-m", "cProfile", "-o", args.profile_router, "-m", "pdserve.cli"] \
+            if args.profile_router else None
         router = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--pd-first-token", "prefill",
-                                      "--log-level", "warning"], free_port(), env)
+                                      "--log-level", "warning"], free_port(), env, program=profiled)
         dep.wait_healthy(180)
         rng = random.Random(0)
         base = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import httpx
+from pdserve.bench.http_get import get_json, http_get
 
 
 def free_port() -> int:
@@ -103,9 +103,9 @@ class Deployment:
                 if c.proc.poll() is not None:
                     raise RuntimeError(f"{self.arm}: {c.name} exited with {c.proc.returncode}:\n{c.log_tail()}")
                 try:
-                    if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
+                    if http_get(c.url + "/health", 2.0)[0] == 200:
                         pending.remove(c)
-                except httpx.TransportError:
+                except OSError:
                     pass
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"{self.arm}: {pending[0].name} not healthy after {timeout:.0f} s "
@@ -123,9 +123,9 @@ class Deployment:
     @staticmethod
     def _router_sees_all(url: str) -> bool:
         try:
-            nodes = httpx.get(url + "/nodes", timeout=2.0).json()
+            nodes = get_json(url + "/nodes", 2.0)
             return all(n["healthy"] for n in nodes["prefill"] + nodes["decode"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):
             return False
 
     def stop(self, timeout: float = 20.0) -> list[str]:

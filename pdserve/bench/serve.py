@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 from tqdm import tqdm
 
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import RequestSpec, send_request
+from pdserve.bench.http_get import get_json
 from pdserve.bench.datasets import jsonl_dataset, random_dataset, random_prefix
 from pdserve.bench.server_metrics import (format_share, format_ttft_split, metric_targets, scrape, scrape_ttft_stages,
                                           ttft_split_ms)
@@ -128,10 +128,9 @@ def _model_name(args) -> str:
     if args.model:
         return Path(args.model).name if Path(args.model).is_dir() else args.model
     try:
-        r = httpx.get(args.base_url + "/v1/models", timeout=10.0,
-                      headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        return get_json(args.base_url + "/v1/models", 10.0,
+                        {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ValueError(f"--model not given and {args.base_url}/v1/models did not name one ({e})") from None
 
 

@@ -12,8 +12,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.bench.http_get import get_json, http_get
 
 STEPS = "pdserve_cudagraph_steps"
 SPEC = ("vllm:spec_decode_", "pdserve_spec_decode_")
@@ -56,19 +57,19 @@ class GraphSnapshot:
 def metric_targets(base_url: str, timeout: float = 5.0) -> list[str]:
     """The URLs whose /metrics carry the decode steps: a router's decode nodes, else the target itself."""
     try:
-        r = httpx.get(base_url + "/nodes", timeout=timeout)
-        if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("decode"):
-            return [n["url"] for n in r.json()["decode"]]
-    except (httpx.HTTPError, ValueError):
+        nodes = get_json(base_url + "/nodes", timeout)
+        if isinstance(nodes, dict) and nodes.get("decode"):
+            return [n["url"] for n in nodes["decode"]]
+    except (OSError, ValueError):
         pass
     return [base_url]
 
 
 def _families(url: str, timeout: float) -> list:
     try:
-        r = httpx.get(url + "/metrics", timeout=timeout)
-        return list(text_string_to_metric_families(r.text)) if r.status_code == 200 else []
-    except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text: nothing of ours there
+        status, body = http_get(url + "/metrics", timeout)
+        return list(text_string_to_metric_families(body.decode(errors="replace"))) if status == 200 else []
+    except (OSError, ValueError):  # unreachable, or not Prometheus text: nothing of ours there
         return []
 
 

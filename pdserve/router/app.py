@@ -62,7 +62,6 @@ import time
 import uuid
 from typing import Optional
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -77,6 +76,7 @@ from pdserve.router.nodes import Fleet, Node, error_of
 from pdserve.router.relay import error, reason, relay_answer
 from pdserve.router.splice import Splice
 from pdserve.router.timing import TtftSplit
+from pdserve.router.upstream import Answer, ConnectFailed, UpstreamError
 from pdserve.serve.body import read_body
 from pdserve.serve.errors import APIError
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
@@ -139,8 +139,8 @@ class Router(Fleet):
             tried += (node,)
             node.in_flight += 1
             try:
-                r = await self.client.post(node.url + path, json=p_body, headers=headers)
-            except httpx.HTTPError as e:
+                r = await self.client.request("POST", node.url + path, json=p_body, headers=headers)
+            except UpstreamError as e:
                 logger.warning("[%s] prefill node %s failed: %s; trying another", headers["X-Request-Id"], node.url,
                                reason(e))
                 continue
@@ -183,9 +183,9 @@ class Router(Fleet):
 
     async def _post_release(self, p_node: Node, params: dict, rid: str, why: str) -> None:
         try:
-            r = await self.client.post(p_node.url + "/v1/kv/release", json={"kv_transfer_params": params},
-                                       headers={"X-Request-Id": rid}, timeout=5.0)
-        except httpx.HTTPError as e:
+            r = await self.client.request("POST", p_node.url + "/v1/kv/release", json={"kv_transfer_params": params},
+                                          headers={"X-Request-Id": rid}, timeout=5.0)
+        except UpstreamError as e:
             logger.warning("[%s] %s; prefill node %s did not release the KV lease (%s): it ends at its expiry",
                            rid, why, p_node.url, e)
             return
@@ -279,11 +279,10 @@ class Router(Fleet):
                         return error(502, reset_why, "bad_gateway")
                     return error(503, "no healthy decode node", "service_unavailable")
                 node.in_flight += 1
-                req = self.client.build_request("POST", node.url + path, json=d_body, headers=headers)
-                sending = asyncio.ensure_future(self.client.send(req, stream=True))
+                sending = asyncio.ensure_future(self.client.open(node.url + path, json=d_body, headers=headers))
                 await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
                 failed = sending.exception() if sending.done() else None
-                if isinstance(failed, httpx.ConnectError):
+                if isinstance(failed, ConnectFailed):
                     # nothing reached that D (it went down since the last health check): out of rotation until it
                     # answers /health again, and the request goes to another
                     node.in_flight -= 1
@@ -311,14 +310,14 @@ class Router(Fleet):
         if not sending.done():  # the client left before D answered: drop D's request (D aborts it)
             sending.cancel()
             late = (await asyncio.gather(sending, return_exceptions=True))[0]
-            if isinstance(late, httpx.Response):
+            if isinstance(late, Answer):
                 await late.aclose()
             node.in_flight -= 1
             self._release(p_node, d_body, rid, "the client went away before the decode node answered")
             return Response(status_code=499)
         try:
             upstream = sending.result()
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             node.in_flight -= 1
             why = f"decode node {node.url} failed: {reason(e)}"
             logger.warning("[%s] %s: answered 502", rid, why)
@@ -355,7 +354,7 @@ class Router(Fleet):
                 return await self.migrator.whole_again(path, body, headers, (node,), why)
         return await relay_answer(upstream, node, rid, on_first, on_break)
 
-    async def _refused(self, upstream: httpx.Response, p: Node, d: Node) -> Response:
+    async def _refused(self, upstream: Answer, p: Node, d: Node) -> Response:
         """D's 400 to a P/D request: on the params this router relayed unaltered it is a deployment error, answered
         502; on the client's own fields it goes back as it is."""
         await upstream.aread()
@@ -405,7 +404,7 @@ def build_app(router: Router) -> FastAPI:
                                             headers=headers)
         except APIError as e:  # the body's limit, as on the generation routes
             return error(e.status, e.message) if e.status != 499 else Response(status_code=499)
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             logger.warning("decode node %s failed on %s: %s: answered 502", node.url, path, reason(e))
             return error(502, f"decode node {node.url} failed: {reason(e)}", "bad_gateway")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type", "application/json"))

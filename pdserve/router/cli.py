@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from typing import Optional
-
-import httpx
+from urllib.parse import urlsplit
 
 from pdserve.router import app as _router
 from pdserve.serve.request_context import exit_cleanly_after_signals
@@ -69,13 +68,16 @@ def check_router_args(args) -> None:
 
 def _bad_url(url: str) -> Optional[str]:
     try:
-        u = httpx.URL(url)
-        port = u.port
-    except (httpx.InvalidURL, ValueError) as e:
+        u = urlsplit(url)
+    except ValueError as e:
         return str(e)
+    try:
+        port = u.port
+    except ValueError:  # not a number, or out of range
+        return "the port must be in 1..65535"
     if u.scheme not in ("http", "https"):
         return "the scheme must be http or https"
-    if not u.host:
+    if not u.hostname:
         return "no host"
     if port is not None and not 0 < port < 65536:
         return "the port must be in 1..65535"

@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-import httpx
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.router.nodes import Fleet, Node
 from pdserve.router.relay import DONE, error, reason
 from pdserve.router.splice import Splice, sse_bytes
+from pdserve.router.upstream import Answer, ConnectFailed, Reset, UpstreamError
 from pdserve.serve.server_timing import KV_UNUSED_HEADER
 
 logger = logging.getLogger("pdserve.router")
@@ -60,14 +60,14 @@ def resume_body(body: dict, token_ids: list[int], ask_ids: bool) -> dict:
 def is_reset(e: BaseException) -> bool:
     """An error that says the node sent nothing (a reset or a close on a kept-alive connection): safe to retry.
     A timeout is not: the node may still be working on it."""
-    return isinstance(e, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+    return isinstance(e, Reset)
 
 
 class Attempt:
     """One node's answer being relayed; `end` releases it (its in-flight count, the connection) exactly once, from
     the relay or from the response's background task when the client left before the relay ran."""
 
-    def __init__(self, node: Optional[Node] = None, upstream: Optional[httpx.Response] = None):
+    def __init__(self, node: Optional[Node] = None, upstream: Optional[Answer] = None):
         self.node, self.upstream = node, upstream
 
     async def end(self) -> None:
@@ -139,12 +139,11 @@ async def _relay(m: Migrator, path: str, body: dict, d_body: dict, headers: dict
                 tried += (node,)
                 node.in_flight += 1
                 try:
-                    up = await client.send(client.build_request("POST", node.url + path, json=send, headers=headers),
-                                           stream=True)
-                except httpx.HTTPError as e:
+                    up = await client.open(node.url + path, json=send, headers=headers)
+                except UpstreamError as e:
                     node.in_flight -= 1
                     why = f"decode node {node.url} failed: {reason(e)}"
-                    if isinstance(e, httpx.ConnectError):
+                    if isinstance(e, ConnectFailed):
                         node.healthy = False  # out of rotation until /health answers again
                     elif not is_reset(e):
                         break
@@ -181,7 +180,7 @@ async def _relay(m: Migrator, path: str, body: dict, d_body: dict, headers: dict
                     return
                 why = f"decode node {node.url} failed the request: {splice.failed}" if splice.failed else \
                     f"decode node {node.url} ended its stream without [DONE]"
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 why = f"decode node {node.url} broke off its stream: {reason(e)}"
             finally:
                 await attempt.end()
@@ -225,8 +224,9 @@ async def _whole_again(m: Migrator, path: str, body: dict, headers: dict, tried:
         tried += (node,)
         node.in_flight += 1
         try:
-            r = await client.post(node.url + path, json=resume_body(body, [], ask_ids=False), headers=headers)
-        except httpx.HTTPError as e:
+            r = await client.request("POST", node.url + path, json=resume_body(body, [], ask_ids=False),
+                                     headers=headers)
+        except UpstreamError as e:
             why = f"decode node {node.url} failed: {reason(e)}"
             continue
         finally:

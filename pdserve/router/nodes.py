@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import httpx
+from pdserve.router.upstream import Answer, Upstream, UpstreamError
 
 logger = logging.getLogger("pdserve.router")
 
@@ -58,20 +58,15 @@ class Fleet:
         self.decode = Pool([Node(u.rstrip("/")) for u in decode], policy)
         self.bad_pairs: dict[tuple[str, str], str] = {}  # (P url, D url) -> why P's proofs fail on that D
         self.health_interval = health_interval
-        # No cap on connections: each in-flight stream holds one, and httpx's default cap (100) would queue the next
-        # client behind them. Idle ones close after 5 s, before a node's keep-alive (30 s) could close one under a
-        # request being written (a reset before any answer is retried anyway: app.py).
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                                            keepalive_expiry=5.0))
+        self.client = Upstream(timeout)
 
     async def health_loop(self) -> None:
         while True:
             for node in self.prefill.nodes + self.decode.nodes:
                 try:
-                    r = await self.client.get(node.url + "/health", timeout=2.0)
+                    r = await self.client.request("GET", node.url + "/health", timeout=2.0)
                     ok = r.status_code == 200
-                except httpx.HTTPError:
+                except UpstreamError:
                     ok = False
                 if ok != node.healthy:
                     logger.warning("node %s is %s", node.url, "back" if ok else "down: taken out of rotation")
@@ -89,16 +84,16 @@ class Fleet:
         mismatch takes a pair out, and traffic finds the rest (`_refused`)."""
         for p in (n for n in self.prefill.nodes if n.healthy):
             try:
-                r = await self.client.get(p.url + "/v1/kv/probe", timeout=2.0)
+                r = await self.client.request("GET", p.url + "/v1/kv/probe", timeout=2.0)
                 probe = r.json().get("probe") if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, AttributeError):
+            except (UpstreamError, ValueError, AttributeError):
                 probe = None
             if probe is None:
                 continue
             for d in (n for n in self.decode.nodes if n.healthy):
                 try:
-                    r = await self.client.post(d.url + "/v1/kv/probe", json={"probe": probe}, timeout=2.0)
-                except httpx.HTTPError:
+                    r = await self.client.request("POST", d.url + "/v1/kv/probe", json={"probe": probe}, timeout=2.0)
+                except UpstreamError:
                     continue
                 if r.status_code in (200, 409):
                     self.mark_pair(p, d, None if r.status_code == 200 else f"probe failed: {message_of(r)}")
@@ -153,11 +148,11 @@ class Fleet:
         return tuple(p for p in self.prefill.nodes if all((p.url, d.url) in self.bad_pairs for d in live))
 
 
-def message_of(r: httpx.Response) -> str:
+def message_of(r: Answer) -> str:
     return error_of(r)[0]
 
 
-def error_of(r: httpx.Response) -> tuple[str, Optional[str]]:
+def error_of(r: Answer) -> tuple[str, Optional[str]]:
     """(message, param) of an OpenAI-shaped error answer."""
     try:
         err = r.json()["error"]

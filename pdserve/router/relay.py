@@ -12,11 +12,11 @@ import json
 import logging
 from typing import Awaitable, Callable, Optional
 
-import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pdserve.router.nodes import Node
+from pdserve.router.upstream import Answer, UpstreamError
 
 logger = logging.getLogger("pdserve.router")
 DONE = b"data: [DONE]\n\n"
@@ -29,11 +29,11 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
 
 
 def reason(e: BaseException) -> str:
-    """An exception as a log line or error message can say it: httpx's resets and timeouts often have no text."""
+    """An exception as a log line or error message can say it (one with no text of its own by its type)."""
     return str(e) or type(e).__name__
 
 
-async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
+async def relay_answer(upstream: Answer, node: Node, rid: str,
                        on_first_chunk: Optional[Callable[[], None]],
                        on_break: Optional[Callable[[str], Awaitable[Response]]] = None) -> Response:
     """`upstream` is D's open answer (headers in, body not read); `on_first_chunk` runs when the first body chunk
@@ -42,7 +42,7 @@ async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
     if "text/event-stream" not in media:
         try:
             content = await upstream.aread()
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             why = f"decode node {node.url} broke off its answer: {reason(e)}"
             logger.warning("[%s] %s", rid, why)
             node.in_flight -= 1
@@ -70,7 +70,7 @@ async def relay_answer(upstream: httpx.Response, node: Node, rid: str,
                     first()
                 tail = (tail + chunk)[-16:]
                 yield chunk
-        except httpx.HTTPError as e:  # the headers are out: end the stream cleanly
+        except UpstreamError as e:  # the headers are out: end the stream cleanly
             logger.warning("[%s] decode node %s broke off its stream: %s", rid, node.url, reason(e))
             if not tail.endswith(DONE):
                 err = {"message": f"decode node {node.url} broke off its answer: {reason(e)}", "type": "bad_gateway",

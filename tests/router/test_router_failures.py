@@ -13,6 +13,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from tests.router.fake_upstream import MockUpstream
 from pdserve.router.app import Router, build_app
 
 P1, P2, D = "http://p1.test", "http://p2.test", "http://d.test"
@@ -58,7 +59,7 @@ class Nodes:
 
 def routed(nodes: Nodes, prefill: list[str], max_migrations: int = 2):
     router = Router(prefill, [D], "round-robin", health_interval=3600, max_migrations=max_migrations)
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
+    router.client = MockUpstream(nodes)
     client = TestClient(build_app(router))
     client.router = router
     return client
@@ -72,7 +73,7 @@ def d_raising(nodes: Nodes, exc: httpx.HTTPError, decode: list[str], prefill_fal
             raise exc
         return nodes(request)
     router = Router([P1], decode, "round-robin", health_interval=3600, prefill_fallback=prefill_fallback)
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+    router.client = MockUpstream(transport)
     return router
 
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from tests.router.fake_upstream import MockUpstream
 from pdserve.router.app import Router, build_app
 from pdserve.router.first_token import FirstToken
 from tests.router.test_router_failures import Broken
@@ -78,7 +79,7 @@ def stream_resp(*chunks: bytes, broken=False):
 def routed(nodes: Nodes, decode=(D1,), mode="prefill", max_migrations=2, prefill_fallback=True):
     router = Router([P], list(decode), "round-robin", health_interval=3600, pd_first_token=mode,
                     max_migrations=max_migrations, prefill_fallback=prefill_fallback)
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
+    router.client = MockUpstream(nodes)
     client = TestClient(build_app(router))
     client.router = router
     return client

@@ -24,6 +24,7 @@ from pdserve.serve.server_config import ServerConfig
 from pdserve.transfer.channel.prompt_ids import PROMPT_INPUT_DIGEST, PROMPT_TOKEN_IDS, pack_token_ids, \
     unpack_token_ids
 from pdserve.transfer.channel.proof import NOT_VERIFIED, PROOF_FIELD, sign_params
+from tests.router.fake_upstream import MockUpstream
 from tests.server_harness import free_port
 from tests.serve.test_failure_paths_serving import pool_whole
 
@@ -100,7 +101,7 @@ def dep(qwen3_tiny):
         for mode in ("replay", "prefill"):
             router = Router(["http://p.test"], ["http://d.test"], "round-robin", health_interval=3600,
                             pd_first_token=mode)
-            router.client = httpx.AsyncClient(transport=ToApps({"p.test": P, "d.test": D}))
+            router.client = MockUpstream(ToApps({"p.test": P, "d.test": D}))
             routers[mode] = stack.enter_context(TestClient(build_router(router)))
         yield {"P": P, "D": D, "C": C, "tok": tok, "d_info": d_state.serving.info, **routers}
 

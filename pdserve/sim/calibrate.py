@@ -8,9 +8,21 @@ its shape read from the scheduler's output and the dispatcher's choice, and the 
 fitted by least squares on relative error with coefficients kept >= 0 (fit()).
 On CPU the modes differ only in what runs eagerly around the same callables (docs/graphs.md): the fitted bases are
 this machine's, not graph speedups.
+
+`--served` then measures what serving adds (the profile's `served` section, profile.py): a real `pdserve serve`
+(its default backend, the same graph settings and thread count) gets the same grid as streamed completions, each
+batch's requests sent together. The gaps between a stream's chunks, once every request of its batch streams, are
+served decode steps of a known shape: `step_scale` and `step_overhead_s` are fitted to them against the bare
+profile's prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
+prefill step, is what a request spends outside the steps: `request_latency_s` is the median.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -75,7 +87,7 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
             progress(f"{'eager' if eager else 'graphs'}: {r} rows x {c} tokens, {len(samples)} steps so far")
     # the model's context, not the grid's: a profile serves any run of this model
     facts = {"max_model_len": min(engine.hf_config.get("max_position_embeddings", 4096), 4096),
-             "device": engine.device.type,
+             "device": engine.device.type, "vocab_size": vocab,
              "kv_bytes_per_token": kv_bytes_per_block(model_dims(engine.hf_config, engine.max_model_len), 1,
                                                       engine.dtype)}
     engine.shutdown()
@@ -120,15 +132,110 @@ def fit(samples: list[tuple[StepShape, float]]) -> tuple[dict, dict]:
     return coefs, report
 
 
+async def _stream(session, url: str, body: dict) -> list[float]:
+    """perf_counter times of a completion stream's token chunks."""
+    times = []
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"the served calibration's server answered {r.status}: {(await r.text())[:200]}")
+        async for line in r.content:
+            if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+    return times
+
+
+async def _batches(url: str, model_name: str, grid: list[tuple[int, int]], decode_steps: int, vocab: int,
+                   progress: Optional[Callable[[str], None]]) -> list[tuple[int, int, float, list[list[float]]]]:
+    """(rows, context, send time, each stream's chunk times) of every batch of the grid, one batch at a time."""
+    import aiohttp
+    out, n = [], 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for r, c in grid:
+            bodies = []
+            for _ in range(r):
+                tr = TraceRequest(f"served-{n}", 0.0, c, decode_steps)
+                n += 1
+                bodies.append({"model": model_name, "prompt": prompt_token_ids(tr, vocab, seed=2),
+                               "max_tokens": decode_steps, "ignore_eos": True, "temperature": 0, "stream": True})
+            t0 = time.perf_counter()
+            streams = await asyncio.gather(*(_stream(session, url, b) for b in bodies))
+            out.append((r, c, t0, streams))
+            if progress is not None and r:
+                progress(f"served: {r} rows x {c} tokens")
+    return out
+
+
+def measure_served(model: str, rows: list[int], contexts: list[int], decode_steps: int, vocab: int,
+                   progress: Optional[Callable[[str], None]] = None) -> list[tuple[int, int, float, list[list[float]]]]:
+    """The grid's batches through a real `pdserve serve` of `model` (started here, stopped at the end) with the
+    engine settings `measure` used; OMP_NUM_THREADS as this process has it."""
+    from pdserve.bench.launcher import Deployment, free_port
+    args = ["serve", model, "--log-level", "warning", "--max-model-len", str(max(contexts) + decode_steps + 1),
+            "--max-num-seqs", str(max(rows)), "--max-num-batched-tokens", str(max(8, max(rows) * max(contexts))),
+            "--max-cudagraph-capture-size", str(min(512, max(rows) * max(contexts)))]
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
+    dep = Deployment("calibrate", Path(tempfile.mkdtemp(prefix="pdserve-calibrate-")))
+    try:
+        url = dep.spawn("server", args, free_port(), env)
+        dep.wait_healthy(300)
+        grid = [(1, min(contexts))] + [(r, c) for r in rows for c in contexts]  # the first: a warm-up, not kept
+        return asyncio.run(_batches(url, Path(model).name, grid, decode_steps, vocab, progress))[1:]
+    finally:
+        dep.stop()
+
+
+def fit_served(batches: list[tuple[int, int, float, list[list[float]]]], bare: list[tuple[StepShape, float]],
+               predict: Callable[[StepShape], float]) -> tuple[dict, dict]:
+    """(the profile's `served` section, its fit report) from the served batches; `bare`: the bare steps measured
+    with the same engine settings (a batch's decode and prefill step shapes are read from them), `predict`: the
+    bare profile."""
+    decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
+    prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
+    gaps, firsts = [], []
+    for r, c, t0, streams in batches:
+        if r not in decode_shape or any(len(t) < 2 for t in streams):
+            continue
+        all_in = max(t[0] for t in streams)  # from here every request of the batch decodes
+        for k in range(1, min(len(t) for t in streams)):
+            g = [t[k] - t[k - 1] for t in streams if t[k - 1] >= all_in]
+            if len(g) == r:  # the step that made token k: r rows of context c + k each
+                s = decode_shape[r]
+                gaps.append((StepShape(s.mode, r, s.padded_tokens, r, r * (c + k), r * (c + k)),
+                             statistics.median(g)))
+        if r == 1 and c in prefill_shape:
+            firsts.append((prefill_shape[c], streams[0][0] - t0))
+    if len(gaps) < 2:
+        raise ValueError("the served batches gave too few decode steps to fit: widen the grid (--rows, "
+                         "--decode-steps)")
+    X = np.array([[predict(s), 1.0] for s, _ in gaps])
+    y = np.array([t for _, t in gaps])
+    scale, overhead = _nonneg_lstsq(X / y[:, None], np.ones_like(y))
+    if scale == 0:  # the served steps do not grow with the bare ones at all: keep the bare model's shape
+        scale, overhead = 1.0, max(0.0, float(np.median(y - X[:, 0])))
+    served = {"step_scale": float(scale), "step_overhead_s": float(overhead)}
+    rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
+    lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
+    served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
+    report = {"decode_steps": len(gaps), "median_rel_error": float(np.median(rel)),
+              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts)}
+    return served, report
+
+
 def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: int, name: Optional[str] = None,
-              engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None) -> dict:
-    """The linear profile of `model` on this machine, as a JSON-ready dict (checked by profile_from_dict)."""
+              engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None,
+              served: bool = False) -> dict:
+    """The linear profile of `model` on this machine, as a JSON-ready dict (checked by profile_from_dict); with
+    `served`, its `served` section from a real server too (the module's docstring)."""
     if not rows or min(rows) < 1 or not contexts or min(contexts) < 1 or decode_steps < 2:
         raise ValueError("--rows and --context-lens need positive integers, --decode-steps >= 2")
+    if served and 1 not in rows:
+        raise ValueError("--served needs 1 in --rows: a lone request's first chunk gives the request latency")
     samples, facts = [], {}
+    graphs: list = []
     for eager in (False, True):
         got, facts = measure(model, rows, contexts, decode_steps, eager, engine_kwargs, progress)
         samples += got
+        graphs = graphs or got  # the served engine's settings: graphs on, as `pdserve serve`'s default
     coefs, report = fit(samples)
     report.update(rows=rows, context_lens=contexts, decode_steps=decode_steps,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -136,5 +243,9 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
          "model": {"name": Path(model).name, "kv_bytes_per_token": facts["kv_bytes_per_token"],
                    "max_model_len": facts["max_model_len"]},
          "coefficients": coefs, "fit": report}
-    profile_from_dict(d)  # what we write must load
+    bare = profile_from_dict(d)  # what we write must load
+    if served:
+        batches = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"], progress)
+        d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time)
+        profile_from_dict(d)
     return d

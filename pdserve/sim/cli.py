@@ -240,6 +240,11 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated prompt lengths to measure (default: 64,256).")
     p.add_argument("--decode-steps", type=int, default=16,
                    help="Output tokens per request, so decode steps per batch (default: 16).")
+    p.add_argument("--served", action="store_true",
+                   help="Also run the grid through a real `pdserve serve` (started and stopped here, with this "
+                        "process's OMP_NUM_THREADS) and fit what serving adds: served decode steps as scale x the "
+                        "bare step + overhead, and each request's latency outside the steps (the profile's `served` "
+                        "section; needs 1 in --rows).")
 
 
 def _ints(flag: str, text: str) -> list[int]:
@@ -258,7 +263,7 @@ def run_calibrate(args) -> int:
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     rows, contexts = _ints("--rows", args.rows), _ints("--context-lens", args.context_lens)
     d = calibrate(args.model, rows, contexts, args.decode_steps, args.name,
-                  progress=lambda msg: print(f"[calibrate] {msg}", flush=True))
+                  progress=lambda msg: print(f"[calibrate] {msg}", flush=True), served=args.served)
     try:
         Path(args.out).write_text(json.dumps(d, indent=1) + "\n")
     except OSError as e:
@@ -269,6 +274,11 @@ def run_calibrate(args) -> int:
           + ", ".join(f"{m} {1e3 * v:.3f}" for m, v in c["base_s"].items())
           + f"; us per token {1e6 * c['per_token_s']:.2f}, per row {1e6 * c['per_row_s']:.2f}, per context token "
             f"{1e6 * c['per_context_token_s']:.4f}")
+    if "served" in d:
+        s, sf = d["served"], f["served"]
+        print(f"[calibrate] served: step = {s['step_scale']:.3f} x bare + {1e3 * s['step_overhead_s']:.3f} ms "
+              f"({sf['decode_steps']} decode steps, median error {100 * sf['median_rel_error']:.1f}%), request "
+              f"latency {1e3 * s['request_latency_s']:.2f} ms ({sf['first_chunks']} lone requests)")
     print(f"[calibrate] profile written to {args.out}")
     return 0
 

@@ -12,7 +12,12 @@ A profile is a JSON object with a `type`, checked field by field on load (an err
 
 Shipped profiles (pdserve/sim/profiles/*.json) load by their file's stem, e.g. `--profile qwen3-0.6b-b200`.
 
-Both may carry a `fit` object: how the free parameters were found (informational, kept in results).
+Both may carry a `fit` object: how the free parameters were found (informational, kept in results), and a
+`served` object (`pdserve sim calibrate --served` fits it from a real server's streams): what serving adds to the
+bare step and to each request, `step_scale` x step + `step_overhead_s` for a step as a served engine runs it (the
+engine loop's wire and records, and on shared cores the server's own work beside it), and `request_latency_s`,
+the time a request spends outside the node's steps on each node it visits (HTTP in and out, the request's
+translation, the wire to the engine and back), which the simulator adds where the request reaches a node.
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
@@ -40,6 +45,27 @@ class StepShape:
 
 class ProfileError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Served:
+    """What serving adds to a bare step and to each request (the module's docstring); identity by default."""
+    step_scale: float = 1.0
+    step_overhead_s: float = 0.0
+    request_latency_s: float = 0.0
+
+    def step(self, bare_s: float) -> float:
+        return self.step_scale * bare_s + self.step_overhead_s
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Served":
+        if "served" not in d:
+            return cls()
+        sec = _section(d, "served")
+        _only(sec, ("step_scale", "step_overhead_s", "request_latency_s"), "served.")
+        return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
+                   _number(sec, "step_overhead_s", "served.") if "step_overhead_s" in sec else 0.0,
+                   _number(sec, "request_latency_s", "served.") if "request_latency_s" in sec else 0.0)
 
 
 def _number(d: dict, key: str, where: str, positive: bool = False) -> float:
@@ -93,10 +119,14 @@ class LinearProfile:
     per_row_s: float
     per_context_token_s: float
     raw: dict  # the JSON as loaded (written back unchanged into results)
+    served: Served = Served()
 
-    def step_time(self, s: StepShape) -> float:
+    def bare_step_time(self, s: StepShape) -> float:
         return (self.base_s[s.mode] + self.per_token_s * s.padded_tokens + self.per_row_s * s.num_reqs
                 + self.per_context_token_s * s.context_tokens)
+
+    def step_time(self, s: StepShape) -> float:
+        return self.served.step(self.bare_step_time(s))
 
 
 @dataclass(frozen=True)
@@ -109,11 +139,15 @@ class RooflineProfile:
     peak_flops: float  # FLOP/s
     overhead_s: dict
     raw: dict
+    served: Served = Served()
 
-    def step_time(self, s: StepShape) -> float:
+    def bare_step_time(self, s: StepShape) -> float:
         bytes_moved = self.weight_bytes + self.model.kv_bytes_per_token * s.context_tokens
         flops = self.flops_per_token * s.padded_tokens + self.attention_flops_per_pair * s.attention_pairs
         return self.overhead_s[s.mode] + max(bytes_moved / self.bandwidth, flops / self.peak_flops)
+
+    def step_time(self, s: StepShape) -> float:
+        return self.served.step(self.bare_step_time(s))
 
 
 Profile = Union[LinearProfile, RooflineProfile]
@@ -124,14 +158,14 @@ def profile_from_dict(d: dict) -> Profile:
         raise ProfileError(f"a profile is a JSON object, got {type(d).__name__}")
     kind = d.get("type")
     if kind == "linear":
-        _only(d, ("type", "name", "device", "model", "coefficients", "fit"), "")
+        _only(d, ("type", "name", "device", "model", "coefficients", "fit", "served"), "")
         c = _section(d, "coefficients")
         _only(c, ("base_s", "per_token_s", "per_row_s", "per_context_token_s"), "coefficients.")
         return LinearProfile(ModelShape.from_dict(_section(d, "model")), _base(c),
                              _number(c, "per_token_s", "coefficients."), _number(c, "per_row_s", "coefficients."),
-                             _number(c, "per_context_token_s", "coefficients."), d)
+                             _number(c, "per_context_token_s", "coefficients."), d, Served.from_dict(d))
     if kind == "roofline":
-        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s", "fit"), "")
+        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s", "fit", "served"), "")
         if not isinstance(d.get("fit", {}), dict):
             raise ProfileError(f"fit: must be an object, got {d['fit']!r}"[:120])
         m = _section(d, "model")
@@ -145,7 +179,7 @@ def profile_from_dict(d: dict) -> Profile:
                                else 0.0,
                                _number(g, "memory_bandwidth_gb_s", "gpu.", positive=True) * 1e9 * eff,
                                _number(g, "peak_tflops", "gpu.", positive=True) * 1e12,
-                               _per_mode(d, "step_overhead_s"), d)
+                               _per_mode(d, "step_overhead_s"), d, Served.from_dict(d))
     raise ProfileError(f"type: must be 'linear' or 'roofline', got {kind!r}"[:120] if "type" in d else "type: missing")
 
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pdserve.sim.calibrate import calibrate, fit
+from pdserve.sim.calibrate import calibrate, fit, fit_served
 from pdserve.sim.profile import ProfileError, StepShape, load_profile, profile_from_dict
 
 from tests.sim.conftest import LINEAR
@@ -126,3 +126,44 @@ def test_a_tiny_calibration_writes_a_profile_that_loads(qwen3_tiny_dir):
     assert set(d["fit"]["steps_by_mode"]) == {"FULL", "PIECEWISE", "NONE"}
     assert d["fit"]["steps_by_mode"]["FULL"] > 0 and d["fit"]["steps_by_mode"]["NONE"] > 0
     assert p.step_time(StepShape("FULL", 1, 1, 1, 10, 10)) > 0
+
+
+def test_a_served_section_scales_the_step_and_is_checked_by_name():
+    p = profile_from_dict({**LINEAR, "served": {"step_scale": 1.5, "step_overhead_s": 0.001,
+                                                "request_latency_s": 0.004}})
+    s = StepShape("FULL", 16, 16, 16, 500, 500)
+    assert p.step_time(s) == pytest.approx(1.5 * p.bare_step_time(s) + 0.001)
+    assert p.served.request_latency_s == 0.004
+    assert profile_from_dict(LINEAR).step_time(s) == profile_from_dict(LINEAR).bare_step_time(s)
+    for field, value, named in (("step_scale", 0, "served.step_scale: must be a number > 0"),
+                                ("request_latency_s", -1, "served.request_latency_s: must be a number >= 0"),
+                                ("step_offset_s", 1, "served.step_offset_s: unknown field")):
+        with pytest.raises(ProfileError, match=re.escape(named)):
+            profile_from_dict({**LINEAR, "served": {field: value}})
+
+
+def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
+    """Synthetic served batches made by a known rule (served step = 1.4 x bare + 0.7 ms, 5 ms outside the steps):
+    the fit finds it; the gaps before every request of a batch streams (its prefills ran apart) are left out."""
+    bare_p = profile_from_dict(LINEAR)
+    bare = [(StepShape("FULL", r, r, r, r * 65, r * 65), 0.0) for r in (1, 4)] + \
+        [(StepShape("PIECEWISE", c, c, 1, c, c), 0.0) for c in (64, 200)]
+    rule = lambda s: 1.4 * bare_p.bare_step_time(s) + 0.0007  # noqa: E731
+    batches = []
+    for r in (1, 4):
+        for c in (64, 200):
+            streams = []
+            for i in range(r):
+                t = 0.005 + rule(StepShape("PIECEWISE", c, c, 1, c, c)) + 0.05 * i  # staggered prefills
+                times = [t]
+                for k in range(1, 12):
+                    shape = StepShape("FULL", r, r, r, r * (c + k), r * (c + k))
+                    t = max(t, 0.05 * (r - 1) + 0.005) + rule(shape)  # lockstep once all stream
+                    times.append(t)
+                streams.append(times)
+            batches.append((r, c, 0.0, streams))
+    served, report = fit_served(batches, bare, bare_p.bare_step_time)
+    assert served["step_scale"] == pytest.approx(1.4, rel=0.02)
+    assert served["step_overhead_s"] == pytest.approx(0.0007, rel=0.05)
+    assert served["request_latency_s"] == pytest.approx(0.005, rel=0.02)
+    assert report["first_chunks"] == 2 and report["median_rel_error"] < 0.01

@@ -95,6 +95,12 @@ def add_fleet_args(p: argparse.ArgumentParser):
                         "max_tokens 1, D imports n - 1 tokens and replays the last; prefill: P samples the first "
                         "token, which reaches the client at P's step end (TTFT holds no transfer), D imports n and "
                         "decodes it as a plain row (default: replay).")
+    d.add_argument("--step-by-step", action="store_true",
+                   help="Run every step of every node through the scheduler. By default a node whose batch is a "
+                        "steady decode run (every row one plain decode token, nothing to admit, no transfer due) "
+                        "advances to the next thing that can change its batch (a row's last token, blocks running "
+                        "short, a request routed to it, a load ending) in one leap, with the same steps, times and "
+                        "counts (docs/sim.md, Scale); this flag is the check, and the slower way.")
     return d
 
 
@@ -193,7 +199,8 @@ def run_sim(args) -> int:
     rows = []
     for rate, trace in runs:
         result = simulate(trace, dep, config, profile, transfer=transfer, policy=args.router_policy,
-                          spec_acceptance=args.spec_acceptance, seed=args.seed, pd_first_token=args.pd_first_token)
+                          spec_acceptance=args.spec_acceptance, seed=args.seed, pd_first_token=args.pd_first_token,
+                          step_by_step=args.step_by_step)
         result.update(dataset="trace" if args.trace else "random", request_rate=rate, burstiness=args.burstiness,
                       random_input_len=round(sum(r.prompt_len for r in trace) / len(trace)),
                       random_output_len=round(sum(r.output_len for r in trace) / len(trace)),
@@ -440,7 +447,8 @@ def run_plan(args) -> int:
         ranked = plan_search(cands, trace, profile, base, spec_base, slos, transfer=transfer,
                              policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
                              rates=rates, start_rate=args.start_rate, max_rates=args.max_rates, progress=progress,
-                             pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100)
+                             pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100,
+                             step_by_step=args.step_by_step)
     finally:
         bar.close()
     table = format_ranking(ranked, slos, attainment=args.slo_attainment / 100)

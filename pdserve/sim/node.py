@@ -9,9 +9,16 @@ through the scheduler's own stop checks. With speculative decoding its tokens re
 engine's n-gram proposer finds drafts, and a drafting row gets its accepted drafts, each kept with probability
 `spec_acceptance` until the first rejection (placeholders are always rejected, as the rejection sampler's), then one
 more token.
+
+Event-leaping (`Leap`, when the simulator leaps: its default): while a node's batch is a steady decode run
+(every running request one plain decode token from its next sample, nothing it could admit, no transfer due), its
+next steps are planned at once (`plan_leap`) and applied when the run's chunk ends or when something touches the
+node first (`catch_up`): the same allocations in the same order, tokens from the same rng draws, the same
+publications, graph labels and step times as that many `step` calls, without running the scheduler.
 """
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -22,7 +29,7 @@ from pdserve.core.kv_transfers import KVTransfers
 from pdserve.core.scheduler import Scheduler
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
-from pdserve.sched_output import SchedulerOutput, cdiv
+from pdserve.sched_output import NO_DRAFTS, ScheduledRow, SchedulerOutput, cdiv
 from pdserve.sim.connector import SimConnector
 from pdserve.sim.profile import Profile, StepShape
 from pdserve.sim.trace import FIRST_TOKEN_ID
@@ -31,6 +38,9 @@ from pdserve.worker.cudagraph_dispatch import choose_graph, dispatcher_for
 from pdserve.worker.graph_metrics import GraphStats
 
 DEFAULT_MAX_MODEL_LEN = 4096  # the engine's cap on a model's max_position_embeddings
+# A leap is planned in chunks, the first this many steps, doubling while nothing cuts them short (up to the last):
+# what a cut wastes (step times computed for steps never taken) stays within what the chunk before it took.
+LEAP_FIRST_CHUNK, LEAP_MAX_CHUNK = 8, 4096
 
 
 @dataclass
@@ -46,6 +56,32 @@ class StepRecord:
     rows: list[tuple[str, int, int]]  # (request id, num_computed_tokens, num_scheduled_tokens), in order
     preempted: list[str] = field(default_factory=list)
     emitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+
+
+@dataclass
+class Leap:
+    """Planned plain decode steps of a node's running requests (`rows`, in the scheduler's order): step j starts at
+    `starts[j]` and ends at `ends[j]`; `allocs` are (step, row index) of each block a row takes on the way, in the
+    order `schedule()` would take them. Once applied (`SimNode.catch_up`), `c0` holds each row's
+    num_computed_tokens before the leap's first step and `num_steps` the steps applied."""
+    rows: list[Request]
+    mode: str
+    reason: Optional[str]
+    num_tokens: int
+    padded_tokens: int
+    starts: list[float]
+    ends: list[float]
+    allocs: list[tuple[int, int]]
+    finishing: bool  # its last step ends rows (a length cap)
+    c0: list[int] = field(default_factory=list)
+    num_steps: int = 0
+
+    def records(self) -> list[StepRecord]:
+        """The applied steps as `SimNode.step` would have returned them, one StepRecord each (made when the leap
+        is applied: the requests in `emitted` are then in their state after its last step)."""
+        return [StepRecord(self.starts[j], self.ends[j], self.mode, self.reason, self.num_tokens, self.padded_tokens,
+                           [(r.request_id, c + j, 1) for r, c in zip(self.rows, self.c0)], [],
+                           [(r, 1) for r in self.rows]) for j in range(self.num_steps)]
 
 
 def num_blocks_for(config: EngineConfig, kv_bytes_per_token: float, max_model_len: int) -> int:
@@ -93,8 +129,17 @@ class SimNode:
         self._follow: dict[str, tuple[dict, int]] = {}  # request id -> (token -> latest successor, tokens indexed)
         self.busy_until = 0.0
         self.num_steps = 0
+        self.num_rows = 0  # rows over all steps
+        self.busy_s = 0.0  # simulated seconds spent in steps
         # tests: a step's sampled tokens from elsewhere (a recorded engine run), in place of the stand-in's
         self.sampler: Optional[Callable[[SchedulerOutput], list]] = None
+        # Leaping needs the stand-in sampler without speculative decoding: one random token a row a step, so the
+        # leap can draw a run's tokens in step order. With drafts a step's tokens and computed counts hang on the
+        # proposer and the acceptance draws, so such a node steps one step at a time.
+        self.can_leap = config.speculative_config is None
+        self.leap: Optional[Leap] = None  # planned, not yet applied
+        self._leap_graph: dict[int, tuple] = {}  # rows -> choose_graph's answer for a decode run of that many
+        self._chunk = LEAP_FIRST_CHUNK
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], output_len: int, arrival_time: float,
                      kv_transfer_params: Optional[dict] = None) -> Request:
@@ -159,9 +204,169 @@ class SimNode:
             if r.is_finished:
                 self._follow.pop(r.request_id, None)
         self.num_steps += 1
-        self.busy_until = now + dt
-        return StepRecord(now, now + dt, mode.value, reason, num_tokens, desc.num_tokens, rows,
+        self.num_rows += len(out.rows)
+        self.busy_until = end = now + dt
+        self.busy_s += end - now
+        self._chunk = LEAP_FIRST_CHUNK
+        return StepRecord(now, end, mode.value, reason, num_tokens, desc.num_tokens, rows,
                           [r.request_id for r in out.preempted], [(r, r.num_new_tokens) for r in updated])
+
+    def plan_leap(self, now: float) -> bool:
+        """At a step's start (`now`, the node free): when the batch is a steady decode run, plan its next steps
+        (up to the chunk size) as a `Leap` and say so; the simulator wakes the node at `busy_until`, the planned
+        run's end, or the start of its last step when that step ends rows. Steady: every running request has one
+        token to compute, which samples (a plain decode row of 1 token, past its prefill), and only a length cap
+        can stop it; the budget holds every row; nothing is admitted (no request waits or is ready, or every seat
+        is taken); the connector has nothing queued or released. The run ends with the first step that ends a row
+        (taken at its start, as step by step takes it: the router sees the finish then), before the first step
+        whose allocation the free blocks cannot supply (a normal step preempts), and before the first step that
+        starts at or after the connector's next event (a load ending, a lease expiring: its poll would see it).
+        Whatever else could change the batch touches the node from outside (a request routed here, a lease
+        released), and the simulator applies the steps that started before it first (`catch_up`)."""
+        if not self.can_leap or self.sampler is not None:
+            return False
+        sched = self.scheduler
+        running = sched.running
+        num_rows = len(running)
+        sc = self.config.scheduler
+        if not num_rows or num_rows > sc.max_num_batched_tokens:  # a guard: admission stops when the budget is
+            return False  # spent, so the running rows fit it (schedule() would leave the rest out)
+        if (sched.waiting or sched.transfers.ready) and num_rows < sc.max_num_seqs:
+            return False
+        conn = self.connector
+        if conn is not None and (conn.queued or conn.released):
+            return False
+        last = LEAP_MAX_CHUNK  # the step (from 0) at which the first row appends its last allowed token
+        mml = self.max_model_len
+        for r in reversed(running):  # the latest admitted first: the likeliest to be still in its prefill
+            c = r.num_computed_tokens
+            sp = r.sampling_params
+            if r.num_tokens - c != 1 or c < r.prefill_len or r.num_output_placeholders or \
+                    r.hands_off_first_token or sp.stop_token_ids or (r.eos_token_ids and not sp.ignore_eos):
+                return False
+            last = min(last, r.max_tokens - r.num_output_tokens - 1, mml - r.num_tokens - 1)  # check_stop's caps
+        steps = min(self._chunk, last + 1)
+        # each row takes a block at the step whose token is the first past its slots, then every block_size steps
+        # (allocate_slots' need), rows in order within a step
+        bs = self.kv.block_size
+        allocs = []
+        for i, r in enumerate(running):
+            for j in range(len(self.kv.blocks_of(r.request_id)) * bs - r.num_computed_tokens, steps, bs):
+                allocs.append((j, i))
+        allocs.sort()
+        free = self.kv.num_free_blocks()
+        if len(allocs) > free:
+            steps = allocs[free][0]  # that step's schedule() would preempt
+            if steps <= 0:
+                return False
+        graph = self._leap_graph.get(num_rows)
+        if graph is None:
+            # rows of 1 token each past their prefill are decode-shaped under every rule, at every step of the run:
+            # the dispatcher's answer depends on the row count alone
+            rows = [ScheduledRow(r, r.num_computed_tokens, 1, NO_DRAFTS) for r in running]
+            graph = self._leap_graph[num_rows] = choose_graph(self.dispatcher, rows, self.uniform_query_len,
+                                                              self.rule, self.is_pd_consumer)
+        mode, desc, reason, num_tokens = graph
+        nxt = conn.next_event() if conn is not None else None
+        ctx = sum(r.num_computed_tokens for r in running) + num_rows  # _shape's context: c + 1 a row, +1 a step
+        starts, ends = [], []
+        t = now
+        step_time, m = self.profile.step_time, mode.value
+        for _ in range(steps):
+            if nxt is not None and t >= nxt:
+                break
+            starts.append(t)
+            t = t + step_time(StepShape(m, num_tokens, desc.num_tokens, num_rows, ctx, ctx))
+            ends.append(t)
+            ctx += num_rows
+        if not starts:
+            return False
+        n = len(starts)
+        finishing = n == last + 1
+        self.leap = Leap(list(running), m, reason, num_tokens, desc.num_tokens, starts, ends,
+                         [a for a in allocs if a[0] < n], finishing)
+        self.busy_until = starts[-1] if finishing else ends[-1]
+        return True
+
+    def catch_up(self, now: float, at_end: bool = False) -> Optional[Leap]:
+        """Apply the planned leap's steps that started before `now` (its first always: it started when it was
+        planned, before whatever touches the node now), as that many `step` calls would have left the node, and
+        drop the rest; returns the leap with what was applied (None without one). `at_end`: the simulator's wake
+        at `busy_until`, which applies all of it (a finishing last step included, which starts then), and the
+        next chunk may be twice as long."""
+        lp = self.leap
+        if lp is None:
+            return None
+        self.leap = None
+        starts = lp.starts
+        m = len(starts) if at_end else max(1, bisect.bisect_left(starts, now))
+        if m < len(starts):
+            lp.finishing = False
+            del starts[m:], lp.ends[m:]
+        self._chunk = min(2 * self._chunk, LEAP_MAX_CHUNK) if at_end else LEAP_FIRST_CHUNK
+        rows, kv, sched = lp.rows, self.kv, self.scheduler
+        num_rows = len(rows)
+        c0 = lp.c0 = [r.num_computed_tokens for r in rows]
+        lp.num_steps = m
+        # the stand-in sampler's draws, in step order then row order, as m `_sample` calls make them
+        rnd, span = self.rng.random, self.vocab_size - FIRST_TOKEN_ID
+        draws = [FIRST_TOKEN_ID + int(rnd() * span) for _ in range(m * num_rows)]  # _random_token's, inlined
+        # What touches the block pool, in the order m steps touch it: step j's schedule() takes a row's block
+        # (phase 0), then its update publishes the block the row's token filled (phase 1, kind 0: cache_blocks) and,
+        # in a finishing last step, frees the rows that end (kind 1), rows in order. After its last update a
+        # running row has published every full computed block, so only a step that fills a block publishes one.
+        # A row's tokens are appended as far as each of its events needs them, so its block hashes come from the
+        # same tokens at the same point as step by step.
+        events = [(j, 0, i, 0) for j, i in lp.allocs if j < m]
+        if kv.pool.enable_caching:
+            bs = kv.block_size
+            for i, c in enumerate(c0):
+                for j in range(-(c + 1) % bs, m, bs):
+                    events.append((j, 1, i, 0))
+        if lp.finishing:
+            mml = self.max_model_len
+            for i, r in enumerate(rows):
+                if r.num_output_tokens + m >= r.max_tokens or r.num_tokens + m >= mml:
+                    events.append((m - 1, 1, i, 1))
+        events.sort()
+        appended = [0] * num_rows
+        for j, phase, i, kind in events:
+            req = rows[i]
+            if phase == 0:  # room for the token at position c0 + j (allocate_slots' need: one block)
+                if not kv.allocate_slots(req, c0[i] + j + 1 - req.num_computed_tokens):
+                    raise AssertionError(f"leap: no block for {req.request_id} at its step {j}")  # plan_leap's bound
+                continue
+            for tok in draws[i + appended[i] * num_rows:i + j * num_rows:num_rows]:
+                req.append_output_token(tok)
+            appended[i] = j
+            req.num_computed_tokens = c0[i] + j + 1
+            if kind == 0:
+                kv.cache_blocks(req)
+                continue
+            tok = draws[i + j * num_rows]  # the last step's token ends it, through the scheduler's stop checks
+            req.append_output_token(tok)
+            appended[i] = m
+            req.num_new_tokens = 1
+            status = sched.check_stop(req, tok)
+            if status is None:
+                raise AssertionError(f"leap: {req.request_id} was to end at its step {j}")
+            sched.finish_request(req.request_id, status)
+        for i, req in enumerate(rows):
+            for tok in draws[i + appended[i] * num_rows::num_rows]:
+                req.append_output_token(tok)
+            req.num_computed_tokens = c0[i] + m
+            req.num_new_tokens = 1
+        record = self.graph_stats.record
+        for _ in range(m):
+            record(lp.mode, lp.num_tokens, lp.padded_tokens, num_rows, lp.reason)
+        self.num_steps += m
+        self.num_rows += m * num_rows
+        for s, e in zip(starts, lp.ends):  # added one by one, as step by step adds them (the same float sum)
+            self.busy_s += e - s
+        self.busy_until = lp.ends[-1]
+        if self.connector is not None:
+            self.connector.now = starts[-1]  # as the last step's poll set it
+        return lp
 
     def _load_early(self, now: float) -> float:
         """As the engine's `EngineStep._load_early`: the queue head's loads start before the step is scheduled

@@ -72,16 +72,17 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
 def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, profile: Profile, *,
              transfer: Optional[TransferModel] = None, policy: str = "round-robin", spec_acceptance: float = 0.0,
              seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None,
-             pd_first_token: str = "replay") -> dict:
+             pd_first_token: str = "replay", step_by_step: bool = False) -> dict:
     """Run `trace` on the deployment; returns bench serve's result dict (see module docstring). `slos` (seconds
     by metric, bench serve's --goodput) adds `request_goodput`; `pd_first_token`: the router's --pd-first-token
-    (replay or prefill, for an XpYd deployment)."""
+    (replay or prefill, for an XpYd deployment); `step_by_step`: every step through the scheduler, no
+    event-leaping (the same results, slower; sim/simulator.py)."""
     if pd_first_token == "prefill" and not dep.num_prefill:
         raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
     if dep.num_prefill and transfer is None:
         raise ValueError("an XpYd deployment needs a transfer model")
     prefill, decode, fabric = build_nodes(dep, config, profile, transfer, spec_acceptance, seed)
-    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token)
+    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=not step_by_step)
     t0 = time.perf_counter()
     results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
     wall = time.perf_counter() - t0
@@ -110,7 +111,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "generated_texts": [""] * len(results), "errors": [r.error for r in results],
         "request_ids": [r.request_id for r in trace],
         "sim": {"deployment": dep.name, "router_policy": policy, "pd_first_token": pd_first_token,
-                "profile": profile.raw, "wall_s": wall,
+                "profile": profile.raw, "wall_s": wall, "step_by_step": step_by_step,
                 "kv_bytes_transferred": fabric.bytes_moved if fabric else 0,
                 "kv_failed_loads": fabric.failed_loads if fabric else 0,
                 "kv_expired_leases": fabric.expired_leases if fabric else 0,
@@ -121,6 +122,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
 def _node_stats(n: SimNode, role: str) -> dict:
     s = n.scheduler
     return {"name": n.name, "role": role if n.connector is not None else "collocated", "steps": n.num_steps,
+            "rows": n.num_rows, "busy_s": n.busy_s,
             "num_blocks": n.kv.pool.num_blocks,
             "preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits, "graph": n.graph_stats.snapshot()}

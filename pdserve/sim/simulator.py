@@ -16,6 +16,16 @@ A node steps whenever it has work and is not busy: a step scheduled at t runs th
 t + the profile's step time; its tokens reach the client at the step's end (the network is not modelled), and
 requests that arrive meanwhile are added before its next schedule, as the engine loop's inbox is read between
 steps. A node with nothing to run but loads in flight sleeps until the first load ends.
+
+Event-leaping (`leap=True`, the default): a node whose batch is a steady decode run plans its next steps at once
+(`SimNode.plan_leap`) and is woken only at the planned run's end; what could change its batch before then either
+bounds the plan (a row's last token, blocks running short, its connector's next event) or touches the node from
+outside: a request routed to it (`_submit`) or a lease D released on it. A touch first applies the planned steps
+that started before it (`SimNode.catch_up`), so the node takes the request exactly where step by step would have,
+and an arrival routed to another node costs this one nothing. Step times, token times, counts, block tables and
+graph labels are those of step by step (tests/sim/test_leap.py); two things at the very same float time as a
+leaping node's step boundary may be taken in another order than step by step takes them (it orders such ties by
+when each was queued).
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from pdserve.bench.metrics import RequestResult
 from pdserve.router.nodes import Node as RouterNode
 from pdserve.router.nodes import Pool
 from pdserve.sim.connector import Fabric
-from pdserve.sim.node import SimNode, StepRecord
+from pdserve.sim.node import Leap, SimNode, StepRecord
 from pdserve.sim.trace import TraceRequest
 
 
@@ -81,9 +91,10 @@ class ClientView:
 class Simulator:
     def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
                  fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None,
-                 pd_first_token: str = "replay"):
+                 pd_first_token: str = "replay", leap: bool = True):
         """`prefill` empty: a collocated deployment of the `decode` nodes. `pd_first_token`: the router's
-        --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first)."""
+        --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first).
+        `leap`: advance steady decode runs in leaps (False: every step through the scheduler, --step-by-step)."""
         if pd_first_token not in ("replay", "prefill"):
             raise ValueError(f"--pd-first-token must be 'replay' or 'prefill', got {pd_first_token!r}")
         self.prefill_nodes, self.decode_nodes, self.fabric, self.on_step = prefill, decode, fabric, on_step
@@ -99,6 +110,7 @@ class Simulator:
         self.views: list[ClientView] = []
         self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
         self.p_names = {n.name for n in prefill}
+        self.leap = leap
 
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
@@ -162,6 +174,7 @@ class Simulator:
         self.owner[(node.name, req.request_id)] = view
         if pool is self.d_pool:
             view.d_arrival = t
+        self._touch(node, t)
         node.add(req)
         if req.is_finished:  # P's first token ended it at D's admission: nothing to run (the client has it)
             del self.owner[(node.name, req.request_id)]
@@ -183,16 +196,79 @@ class Simulator:
     def _to_decode(self, view: ClientView, params: Optional[dict], t: float) -> None:
         self._submit(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
 
+    def _touch(self, node: SimNode, t: float) -> None:
+        """Something from outside changes `node` at `t`: the steps it leapt that started before `t` happen first."""
+        if node.leap is not None:
+            self._took_leap(node, node.catch_up(t))
+
+    def _took_leap(self, node: SimNode, lp: Leap) -> None:
+        """The client side of applied leap steps, as `_run_node` takes each step: a chunk a row a step at the step's
+        end, and the rows its last step ended (a finishing leap, applied at that step's start). Every row has run
+        on this node before (its stages are stamped already)."""
+        is_p = node.name in self.p_names
+        if self.on_step is not None:
+            for rec in lp.records():
+                self.on_step(node, rec)
+        if not is_p or self.first_from_p:
+            chunks = [(e, 1) for e in lp.ends]
+            for req in lp.rows:
+                view = self.owner.get((node.name, req.request_id))
+                if view is not None:
+                    view.chunks.extend(chunks)
+        if lp.finishing:
+            for req in lp.rows:
+                if req.is_finished and (view := self.owner.get((node.name, req.request_id))) is not None:
+                    self._finished(node, req, view, lp.ends[-1], is_p)
+
+    def _finished(self, node: SimNode, req, view: ClientView, end: float, is_p: bool) -> None:
+        del self.owner[(node.name, req.request_id)]
+        self.router_node[node.name].in_flight -= 1
+        if is_p:
+            view.p_done = end
+            if self.first_from_p and req.kv_transfer_params_out is None:
+                view.finished, view.prompt = end, None  # P's token ended it: P's answer is all of it
+            else:
+                self._push(end, "prefilled", (view, req.kv_transfer_params_out))
+        else:
+            view.finished, view.prompt = end, None
+
+    def _wake_releasers(self, t: float) -> None:
+        """Leases a D just finished reading (or gave up): their P frees the blocks on its next poll."""
+        if self.fabric is not None:
+            for p in self.prefill_nodes:
+                if p.connector.released:
+                    self._touch(p, t)
+                    self._wake(p, t)
+
+    def _after_step(self, node: SimNode, t: float, end: float) -> None:
+        """What follows a step that ran at `t` and ends at `end`: released leases' P woken, the node's next wake."""
+        self._wake_releasers(t)
+        if node.has_work():
+            self._wake(node, end)
+        elif (nxt := node.next_transfer_event()) is not None:  # P: its leases' expiry, should D never read them
+            self._wake(node, max(nxt, end))
+
     def _run_node(self, node: SimNode, t: float) -> None:
         if node.busy_until > t:
             self._wake(node, node.busy_until)
             return
+        if node.leap is not None:  # its planned run ends now (or its finishing last step starts now): apply it all
+            lp = node.catch_up(t, at_end=True)
+            self._took_leap(node, lp)
+            if lp.finishing:
+                self._after_step(node, t, lp.ends[-1])
+                return
+        if self.leap and node.plan_leap(t):
+            if node.busy_until > t:
+                self._wake(node, node.busy_until)
+            else:  # one step, which ends rows: taken now, as the step it is
+                lp = node.catch_up(t, at_end=True)
+                self._took_leap(node, lp)
+                self._after_step(node, t, lp.ends[-1])
+            return
         rec = node.step(t)
-        if self.fabric is not None:  # leases D just finished reading: their P frees the blocks on its next poll
-            for p in self.prefill_nodes:
-                if p.connector.released:
-                    self._wake(p, t)
         if rec is None:
+            self._wake_releasers(t)
             nxt = node.next_transfer_event()
             if nxt is not None:
                 self._wake(node, nxt)
@@ -214,17 +290,5 @@ class Simulator:
             if not is_p or self.first_from_p:  # P's first token goes to the client at once (the router hop is not
                 view.chunks.append((rec.end, n))  # modelled)
             if req.is_finished:
-                del self.owner[(node.name, req.request_id)]
-                self.router_node[node.name].in_flight -= 1
-                if is_p:
-                    view.p_done = rec.end
-                    if self.first_from_p and req.kv_transfer_params_out is None:
-                        view.finished, view.prompt = rec.end, None  # P's token ended it: P's answer is all of it
-                    else:
-                        self._push(rec.end, "prefilled", (view, req.kv_transfer_params_out))
-                else:
-                    view.finished, view.prompt = rec.end, None
-        if node.has_work():
-            self._wake(node, rec.end)
-        elif (nxt := node.next_transfer_event()) is not None:  # P: its leases' expiry, should D never read them
-            self._wake(node, max(nxt, rec.end))
+                self._finished(node, req, view, rec.end, is_p)
+        self._after_step(node, t, rec.end)

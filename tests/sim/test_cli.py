@@ -105,7 +105,7 @@ def test_help_explains_every_flag():
                          check=True).stdout
     for flag in ("--trace", "--profile", "--deployment", "--nodes", "--router-policy", "--kv-bandwidth-gb-s",
                  "--kv-latency-ms", "--request-rate", "--random-input-len", "--full-graph-rule", "--result-dir",
-                 "--pd-first-token", "calibrate"):
+                 "--pd-first-token", "--step-by-step", "calibrate"):
         assert flag in out, flag
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "sim", "calibrate", "--help"], capture_output=True,
                          text=True, check=True).stdout

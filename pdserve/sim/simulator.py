@@ -233,7 +233,8 @@ class Simulator:
             view.finished, view.prompt = end, None
 
     def _wake_releasers(self, t: float) -> None:
-        """Leases a D just finished reading (or gave up): their P frees the blocks on its next poll."""
+        """Leases a D just finished reading (or gave up): their P frees the blocks on its next poll. (A P never
+        leaps today, its requests ending at their first token; were it to, the release would cut its leap here.)"""
         if self.fabric is not None:
             for p in self.prefill_nodes:
                 if p.connector.released:
@@ -283,7 +284,7 @@ class Simulator:
                     view.p_scheduled = rec.start
                 elif not is_p and view.d_scheduled is None:
                     view.d_scheduled = rec.start
-        for req, n in rec.emitted:
+        for req, n in rec.emitted:  # (_took_leap records a leap's steps the same way: keep the two alike)
             view = self.owner.get((node.name, req.request_id))
             if view is None:
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 
@@ -33,12 +34,12 @@ class Run:
 
 
 def _run(trace, dep: str, leap: bool, *, policy: str = "round-robin", pd_first_token: str = "replay",
-         transfer: TransferModel = LINK, nodes: int = 1, **engine) -> Run:
+         transfer: TransferModel = LINK, nodes: int = 1, profile: Optional[dict] = None, **engine) -> Run:
     from pdserve.sim.profile import profile_from_dict
     from tests.sim.conftest import LINEAR
     config = EngineConfig.from_kwargs("sim", **{"max_num_seqs": 16, "max_model_len": 1024, **engine})
-    prefill, decode, fabric = build_nodes(parse_deployment(dep, nodes), config, profile_from_dict(LINEAR), transfer,
-                                          0.0, 0)
+    prefill, decode, fabric = build_nodes(parse_deployment(dep, nodes), config, profile_from_dict(profile or LINEAR),
+                                          transfer, 0.0, 0)
     requests, schedules = [], Counter()
     records = {n.name: [] for n in prefill + decode}
     for node in prefill + decode:
@@ -82,6 +83,12 @@ def _long(n: int = 20) -> list[TraceRequest]:
     return [TraceRequest(f"r{i}", 0.005 * i, 20 + i, 150 + 3 * i) for i in range(n)]
 
 
+# a roofline profile with a served section (step_scale x the bare step + step_overhead_s)
+ROOFLINE = {"type": "roofline", "device": "cuda", "gpu": {"memory_bandwidth_gb_s": 3350, "peak_tflops": 989},
+            "model": {"kv_bytes_per_token": 114688, "weight_bytes": 1.2e9, "flops_per_token": 1.2e9,
+                      "attention_flops_per_pair": 524288},
+            "step_overhead_s": {"FULL": 2e-5, "PIECEWISE": 4e-4, "NONE": 1.5e-3},
+            "served": {"step_scale": 1.2, "step_overhead_s": 6e-4}}
 RANDOM = random_trace(50, 100, 40, request_rate=30.0, range_ratio=0.5, seed=1)
 PREFIXED = [TraceRequest(f"p{i}", 0.01 * i, 40 + i % 9, 30 + i % 13, prefix_group=str(i % 3), prefix_len=32)
             for i in range(30)]
@@ -102,6 +109,7 @@ CASES = {
         1e9, 1e-3, lease_seconds=0.05, load_failure_rate=0.3)}),
     "least-loaded, 3 nodes": (RANDOM, "collocated", {"nodes": 3, "policy": "least-loaded", "max_num_seqs": 5}),
     "strict rule, block size 8": (RANDOM, "2p2d", {"full_graph_rule": "strict", "block_size": 8}),
+    "roofline, served steps": (RANDOM, "1p1d", {"profile": ROOFLINE}),
     # a budget of 8 tokens: prompts in chunks beside the decodes, which leap once the queue is empty
     "small budget, chunked prefills": ([TraceRequest(f"b{i}", 0.0, 20, 30 + i) for i in range(16)], "collocated",
                                {"max_num_batched_tokens": 8}),

@@ -181,6 +181,7 @@ class SimNode:
 
     def step(self, now: float) -> Optional[StepRecord]:
         """One engine step at `now`; None when there was nothing to do (loads in flight, or idle)."""
+        assert self.leap is None, "a planned leap is applied (catch_up) before the node steps again"
         if self.connector is not None:
             self.connector.now = now
             self.scheduler.process_transfers(self.connector.get_finished())  # no load fails here

@@ -145,6 +145,7 @@ class Simulator:
                 self._run_node(self.by_name[payload], t)
             elif kind == "prefilled":
                 self._to_decode(*payload, t)
+        assert all(n.leap is None for n in self.by_name.values()), "a leap's end is always woken"
         end = max((v.finished or v.trace.arrival_time for v in views), default=0.0)
         return [v.result() for v in views], end
 

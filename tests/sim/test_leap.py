@@ -215,3 +215,48 @@ def test_step_by_step_is_a_flag_of_sim_and_plan(monkeypatch, tmp_path):
             main(argv + ["--profile", str(prof), "--num-prompts", "4", "--result-dir", str(tmp_path / "r"),
                          "--quiet"])
     assert seen == [False, True, False, True]
+
+
+def _random_case(seed: int) -> tuple:
+    """A deployment, engine flags, link and trace drawn from `seed` (the knobs a leap's bounds hang on)."""
+    import random
+    rng = random.Random(seed)
+    dep = rng.choice(["collocated", "collocated", "1p1d", "2p1d", "1p2d", "2p3d"])
+    kw = {"policy": rng.choice(["round-robin", "least-loaded"])}
+    if dep == "collocated":
+        kw["nodes"] = rng.choice([1, 2, 3])
+    else:
+        kw["pd_first_token"] = rng.choice(["replay", "prefill"])
+        kw["transfer"] = TransferModel(rng.choice([1e7, 1e8, 1e9, 1e12]), rng.choice([0.0, 1e-3, 5e-3]),
+                                       lease_seconds=rng.choice([30.0, 0.05, 0.2]),
+                                       load_failure_rate=rng.choice([0.0, 0.0, 0.2]))
+    mml, bs = rng.choice([255, 511, 1023, 1024]), rng.choice([8, 16])
+    kw.update(max_model_len=mml, block_size=bs, max_num_seqs=rng.choice([1, 2, 3, 5, 8, 16]))
+    if rng.random() < 0.5:
+        kw["num_gpu_blocks_override"] = -(-mml // bs) + 1 + rng.choice([0, 3, 10, 40])
+    if rng.random() < 0.3:
+        kw.update(max_num_batched_tokens=rng.choice([8, 32, 100]), enable_chunked_prefill=True)
+    if rng.random() < 0.3:
+        kw["long_prefill_token_threshold"] = rng.choice([4, 17])
+    if rng.random() < 0.2:
+        kw["enable_prefix_caching"] = False
+    if rng.random() < 0.2:
+        kw["full_graph_rule"] = rng.choice(["strict", "prompt-tail"])
+    trace = random_trace(rng.choice([10, 30]), rng.choice([16, 60, 150]), rng.choice([5, 40, 120]),
+                         request_rate=rng.choice([5.0, 30.0, 200.0]), range_ratio=0.5, seed=seed,
+                         prefix_len=rng.choice([0, 0, 16, 33]))
+    return [t for t in trace if t.prompt_len + t.output_len <= mml], dep, kw
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_deployments_leap_as_they_step(seed):
+    """Drawn deployments and flags (1000 seeds were run once by hand, all equal): the same steps, node states,
+    request tokens and client times."""
+    trace, dep, kw = _random_case(seed)
+    step, leap = (_run(trace, dep, leaping, **kw) for leaping in (False, True))
+    assert leap.records == step.records
+    assert [_node_state(n) for n in leap.nodes] == [_node_state(n) for n in step.nodes]
+    assert [(r.output_tokens, r.ttft, r.itl, r.latency) for r in leap.results] == \
+        [(r.output_tokens, r.ttft, r.itl, r.latency) for r in step.results]
+    assert [(name, r.all_token_ids, r.block_hashes) for name, r in leap.requests] == \
+        [(name, r.all_token_ids, r.block_hashes) for name, r in step.requests]

@@ -1,7 +1,8 @@
 """`pdserve sim` against real runs on this machine (issue 36, "Against real runs here").
 
-Per model: `pdserve sim calibrate` measures this machine's engine twice, with the OpenMP threads each real node
-gets under `bench pd` on these cores (all of them for the collocated server, half each for P and D), then `bench pd`
+Per model: `pdserve sim calibrate --served` measures this machine's engine twice, with the OpenMP threads each real
+node gets under `bench pd` on these cores (all of them for the collocated server, half each for P and D): the bare
+steps, then a real server's streams for what serving adds (`--bare`: the bare steps only, as before), then `bench pd`
 runs the deployments for real (collocated, 1P1D with the default rule, 1P1D with the strict rule, by default) and
 `pdserve sim` runs the same workload (same lengths, rates, seed) on the profile of the node's thread count. The
 table compares, per deployment and rate: median TTFT, median TPOT, p99 ITL and the decode node's non-FULL step share,
@@ -60,6 +61,8 @@ def main() -> int:
                     help="The simulated KV link's latency (default: 1.3, a pull of the demo's prompt on loopback here, "
                          "benchmarks/pd_hops.py's trace).")
     ap.add_argument("--kv-bandwidth-gb-s", type=float, default=2.0, help="The simulated KV link's bandwidth.")
+    ap.add_argument("--bare", action="store_true", help="Calibrate the bare engine steps only (no --served): the "
+                                                        "simulator then leaves out what serving adds.")
     ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sim_validate.json"))
     args = ap.parse_args()
@@ -78,7 +81,7 @@ def main() -> int:
         for threads in sorted({cpus, max(1, cpus // 2)}):  # as bench pd's launcher gives them (launch())
             profiles[threads] = work / f"{size}_threads{threads}.json"
             pdserve("sim", "calibrate", "--model", model, "--out", str(profiles[threads]),
-                    env={"OMP_NUM_THREADS": str(threads)})
+                    *([] if args.bare else ["--served"]), env={"OMP_NUM_THREADS": str(threads)})
         print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
         real = work / f"{size}_real"
         t0 = time.monotonic()

@@ -11,9 +11,10 @@ this machine's, not graph speedups.
 
 `--served` then measures what serving adds (the profile's `served` section, profile.py): a real `pdserve serve`
 (its default backend, the same graph settings and thread count) gets the same grid as streamed completions, each
-batch's requests sent together. The gaps between a stream's chunks, once every request of its batch streams, are
-served decode steps of a known shape: `step_scale` and `step_overhead_s` are fitted to them against the bare
-profile's prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
+batch's requests sent together. Once every request of a batch streams, its steps are r rows decoding: a stream's mean
+gap over that run (its chunks may reach the client in bursts; the run's length may not) is a served decode step of
+known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' runs against the bare profile's
+prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
 prefill step, is what a request spends outside the steps: `request_latency_s` is the median.
 """
 from __future__ import annotations
@@ -195,18 +196,26 @@ def fit_served(batches: list[tuple[int, int, float, list[list[float]]]], bare: l
     for r, c, t0, streams in batches:
         if r not in decode_shape or any(len(t) < 2 for t in streams):
             continue
-        all_in = max(t[0] for t in streams)  # from here every request of the batch decodes
-        for k in range(1, min(len(t) for t in streams)):
-            g = [t[k] - t[k - 1] for t in streams if t[k - 1] >= all_in]
-            if len(g) == r:  # the step that made token k: r rows of context c + k each
-                s = decode_shape[r]
-                gaps.append((StepShape(s.mode, r, s.padded_tokens, r, r * (c + k), r * (c + k)),
-                             statistics.median(g)))
+        # From the first chunk at or after the batch's last first token, every step is r rows decoding. A stream's
+        # chunks can reach the client in bursts (its process waits for a core), so each stream's mean gap over
+        # that run is the sample, not each gap: the run's length is what a burst cannot change.
+        all_in = max(t[0] for t in streams)
+        spans = []
+        for t in streams:
+            k0 = next((k for k, x in enumerate(t) if x >= all_in), len(t))
+            if len(t) - 1 - k0 >= 2:
+                spans.append((k0, len(t) - 1, (t[-1] - t[k0]) / (len(t) - 1 - k0)))
+        if len(spans) == r:
+            k0 = statistics.median(a for a, _, _ in spans)
+            k1 = statistics.median(b for _, b, _ in spans)
+            ctx = round(r * (c + (k0 + 1 + k1) / 2))  # the run's steps made tokens k0 + 1 .. k1: their mean context
+            s = decode_shape[r]
+            gaps.append((StepShape(s.mode, r, s.padded_tokens, r, ctx, ctx), statistics.median(g for _, _, g in spans)))
         if r == 1 and c in prefill_shape:
             firsts.append((prefill_shape[c], streams[0][0] - t0))
     if len(gaps) < 2:
-        raise ValueError("the served batches gave too few decode steps to fit: widen the grid (--rows, "
-                         "--decode-steps)")
+        raise ValueError("the served batches gave too few decode runs to fit: widen the grid (--rows, "
+                         "--context-lens, --decode-steps)")
     X = np.array([[predict(s), 1.0] for s, _ in gaps])
     y = np.array([t for _, t in gaps])
     scale, overhead = _nonneg_lstsq(X / y[:, None], np.ones_like(y))
@@ -216,7 +225,7 @@ def fit_served(batches: list[tuple[int, int, float, list[list[float]]]], bare: l
     rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
     lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
     served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
-    report = {"decode_steps": len(gaps), "median_rel_error": float(np.median(rel)),
+    report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
               "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts)}
     return served, report
 

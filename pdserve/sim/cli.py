@@ -284,7 +284,7 @@ def run_calibrate(args) -> int:
     if "served" in d:
         s, sf = d["served"], f["served"]
         print(f"[calibrate] served: step = {s['step_scale']:.3f} x bare + {1e3 * s['step_overhead_s']:.3f} ms "
-              f"({sf['decode_steps']} decode steps, median error {100 * sf['median_rel_error']:.1f}%), request "
+              f"({sf['decode_runs']} decode runs, median error {100 * sf['median_rel_error']:.1f}%), request "
               f"latency {1e3 * s['request_latency_s']:.2f} ms ({sf['first_chunks']} lone requests)")
     print(f"[calibrate] profile written to {args.out}")
     return 0

@@ -12,8 +12,10 @@ Deployments:
   params with the token, imports all n prompt tokens and decodes it as a plain row (no replay); a token that ends
   the request (output length 1) is P's whole answer and D is not asked.
 
-A node steps whenever it has work and is not busy: a step scheduled at t runs the scheduler at t and ends at
-t + the profile's step time; its tokens reach the client at the step's end (the network is not modelled), and
+A request reaches the node it is sent to the profile's `served.request_latency_s` later (its time outside the node's
+steps: HTTP in and out, translation, the engine's wire; 0 for a bare profile); the router's own hops are not
+modelled. A node steps whenever it has work and is not busy: a step scheduled at t runs the scheduler at t and ends at
+t + the profile's step time; its tokens reach the client at the step's end, and
 requests that arrive meanwhile are added before its next schedule, as the engine loop's inbox is read between
 steps. A node with nothing to run but loads in flight sleeps until the first load ends.
 
@@ -111,6 +113,10 @@ class Simulator:
         self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
         self.p_names = {n.name for n in prefill}
         self.leap = leap
+        # a profile's served.request_latency_s: the time a request spends outside a node's steps (HTTP in and out,
+        # its translation, the wire to the engine), taken where it reaches a node of that pool
+        self.latency = {id(pool): nodes[0].profile.served.request_latency_s if nodes else 0.0
+                        for pool, nodes in ((self.p_pool, prefill), (self.d_pool, decode))}
 
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
@@ -145,6 +151,9 @@ class Simulator:
                 self._run_node(self.by_name[payload], t)
             elif kind == "prefilled":
                 self._to_decode(*payload, t)
+            elif kind == "reach":
+                pool, view, output_len, params = payload
+                self._submit(pool, view, t, output_len, params)
         assert all(n.leap is None for n in self.by_name.values()), "a leap's end is always woken"
         end = max((v.finished or v.trace.arrival_time for v in views), default=0.0)
         return [v.result() for v in views], end
@@ -188,14 +197,22 @@ class Simulator:
             view.prompt = self.prompt_for(view.trace)
         if self.pd and view.trace.prompt_len > 1 and self.first_from_p:
             # the client's own params, the first token asked for: P samples it and stops after it
-            self._submit(self.p_pool, view, t, view.trace.output_len, {"do_remote_decode": True, "first_token": True})
+            self._send(self.p_pool, view, t, view.trace.output_len, {"do_remote_decode": True, "first_token": True})
         elif self.pd and view.trace.prompt_len > 1:
-            self._submit(self.p_pool, view, t, 1, {"do_remote_decode": True})
+            self._send(self.p_pool, view, t, 1, {"do_remote_decode": True})
         else:
-            self._submit(self.d_pool, view, t, view.trace.output_len, None)
+            self._send(self.d_pool, view, t, view.trace.output_len, None)
 
     def _to_decode(self, view: ClientView, params: Optional[dict], t: float) -> None:
-        self._submit(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
+        self._send(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
+
+    def _send(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
+        """The request leaves for a node of `pool` at `t` and reaches it the pool's request latency later."""
+        lat = self.latency[id(pool)]
+        if lat:
+            self._push(t + lat, "reach", (pool, view, output_len, params))
+        else:
+            self._submit(pool, view, t, output_len, params)
 
     def _touch(self, node: SimNode, t: float) -> None:
         """Something from outside changes `node` at `t`: the steps it leapt that started before `t` happen first."""

@@ -83,12 +83,12 @@ def _long(n: int = 20) -> list[TraceRequest]:
     return [TraceRequest(f"r{i}", 0.005 * i, 20 + i, 150 + 3 * i) for i in range(n)]
 
 
-# a roofline profile with a served section (step_scale x the bare step + step_overhead_s)
+# a roofline profile with a served section (step_scale x the bare step + step_overhead_s; a request latency)
 ROOFLINE = {"type": "roofline", "device": "cuda", "gpu": {"memory_bandwidth_gb_s": 3350, "peak_tflops": 989},
             "model": {"kv_bytes_per_token": 114688, "weight_bytes": 1.2e9, "flops_per_token": 1.2e9,
                       "attention_flops_per_pair": 524288},
             "step_overhead_s": {"FULL": 2e-5, "PIECEWISE": 4e-4, "NONE": 1.5e-3},
-            "served": {"step_scale": 1.2, "step_overhead_s": 6e-4}}
+            "served": {"step_scale": 1.2, "step_overhead_s": 6e-4, "request_latency_s": 2.5e-3}}
 RANDOM = random_trace(50, 100, 40, request_rate=30.0, range_ratio=0.5, seed=1)
 PREFIXED = [TraceRequest(f"p{i}", 0.01 * i, 40 + i % 9, 30 + i % 13, prefix_group=str(i % 3), prefix_len=32)
             for i in range(30)]

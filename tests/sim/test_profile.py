@@ -144,7 +144,8 @@ def test_a_served_section_scales_the_step_and_is_checked_by_name():
 
 def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
     """Synthetic served batches made by a known rule (served step = 1.4 x bare + 0.7 ms, 5 ms outside the steps):
-    the fit finds it; the gaps before every request of a batch streams (its prefills ran apart) are left out."""
+    the fit finds it; the gaps before every request of a batch streams (its prefills ran apart) are left out, and
+    chunks that reach the client in a burst (its process waited for a core) do not move it."""
     bare_p = profile_from_dict(LINEAR)
     bare = [(StepShape("FULL", r, r, r, r * 65, r * 65), 0.0) for r in (1, 4)] + \
         [(StepShape("PIECEWISE", c, c, 1, c, c), 0.0) for c in (64, 200)]
@@ -160,6 +161,7 @@ def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
                     shape = StepShape("FULL", r, r, r, r * (c + k), r * (c + k))
                     t = max(t, 0.05 * (r - 1) + 0.005) + rule(shape)  # lockstep once all stream
                     times.append(t)
+                times[5:8] = [times[8]] * 3  # a burst: tokens 5-7 reach the client with token 8
                 streams.append(times)
             batches.append((r, c, 0.0, streams))
     served, report = fit_served(batches, bare, bare_p.bare_step_time)

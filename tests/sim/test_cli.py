@@ -72,6 +72,7 @@ def test_empty_and_missing_traces(tmp_path, capsys, profile):
     (["--request-rate", "0"], "--request-rate: every rate must be > 0"),
     (["--spec-acceptance", "1.5"], "--spec-acceptance must be in [0, 1]"),
     (["--kv-bandwidth-gb-s", "0"], "--kv-bandwidth-gb-s must be a number > 0"),
+    (["--kv-load-wait-ms", "1000.5"], "--kv-load-wait-ms must be in [0, 1000]"),
     (["--speculative-config", "{\"method\": \"eagle\"}"], "--speculative-config:"),
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: a simulated node's KV cache"),
@@ -133,3 +134,19 @@ def test_a_trace_run_writes_bench_pds_files(tmp_path, capsys, profile):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["simulated"] and summary["rows"][0]["arm"] == "default"
     assert "1P1D default" in (out / "table.txt").read_text()
+
+
+def test_the_load_wait_flag_reaches_d(tmp_path, profile):
+    """--kv-load-wait-ms is D's wait for the loads it started early: with a 3 ms pull on a D that is decoding, a 5 ms
+    wait takes the load into the step it was started for, none leaves it to a later step (TTFTs move)."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_time": 0.004 * i, "prompt_len": 33, "output_len": 30})
+                               for i in range(8)) + "\n")
+    ttfts = {}
+    for wait in ("0", "5"):
+        out = tmp_path / f"w{wait}"
+        assert main(["sim", "--profile", profile, "--trace", str(trace), "--deployment", "1p1d", "--kv-latency-ms",
+                     "3", "--kv-load-wait-ms", wait, "--result-dir", str(out), "--quiet"]) == 0
+        run = json.loads(next(out.glob("default_rate*.json")).read_text())
+        ttfts[wait] = run["ttfts"]
+    assert ttfts["0"][0] == ttfts["5"][0] and ttfts["0"] != ttfts["5"], ttfts  # the first finds D idle

@@ -107,7 +107,7 @@ class Upstream:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0, ttl_dns_cache=None),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0),  # names resolved again after 10 s
                 timeout=self.timeout, auto_decompress=False)  # a stream is relayed as the node sent it
         return self._session
 

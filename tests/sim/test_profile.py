@@ -169,3 +169,20 @@ def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
     assert served["step_overhead_s"] == pytest.approx(0.0007, rel=0.05)
     assert served["request_latency_s"] == pytest.approx(0.005, rel=0.02)
     assert report["first_chunks"] == 2 and report["median_rel_error"] < 0.01
+
+
+@pytest.mark.timeout(180)
+def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir):
+    """`calibrate --served` end to end: a real `pdserve serve` started and stopped, its streams fitted into a
+    `served` section that loads and says how many decode runs and lone first chunks it read."""
+    d = calibrate(qwen3_tiny_dir, rows=[1, 2], contexts=[8, 24], decode_steps=8, served=True)
+    p = profile_from_dict(json.loads(json.dumps(d)))
+    s, f = d["served"], d["fit"]["served"]
+    assert s["step_scale"] > 0 and s["step_overhead_s"] >= 0 and s["request_latency_s"] >= 0
+    # the grid's 4 batches (the 2-row ones only when their requests reached the server close enough to decode
+    # together), and both lone requests' first chunks
+    assert 2 <= f["decode_runs"] <= 4 and f["first_chunks"] == 2
+    shape = StepShape("FULL", 2, 2, 2, 40, 40)
+    assert p.step_time(shape) == pytest.approx(s["step_scale"] * p.bare_step_time(shape) + s["step_overhead_s"])
+    with pytest.raises(ValueError, match="--served needs 1 in --rows"):
+        calibrate(qwen3_tiny_dir, rows=[2], contexts=[8], decode_steps=3, served=True)

@@ -61,6 +61,9 @@ def main() -> int:
                     help="The simulated KV link's latency (default: 1.3, a pull of the demo's prompt on loopback here, "
                          "benchmarks/pd_hops.py's trace).")
     ap.add_argument("--kv-bandwidth-gb-s", type=float, default=2.0, help="The simulated KV link's bandwidth.")
+    ap.add_argument("--router-latency-ms", type=float, default=2.6,
+                    help="What the router adds per send in the simulated 1P1D arms (default: 2.6, pd_hops.py's TTFT "
+                         "through the router less P's own answer at idle here, benchmarks/results/pd_hops.json).")
     ap.add_argument("--bare", action="store_true", help="Calibrate the bare engine steps only (no --served): the "
                                                         "simulator then leaves out what serving adds.")
     ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
@@ -93,7 +96,8 @@ def main() -> int:
             sim = work / f"{size}_sim_{arm}"
             pdserve("sim", "--profile", str(profiles[threads]), *SIM_DEPLOYMENT[arm], "--request-rate", args.rates,
                     *workload, "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s",
-                    str(args.kv_bandwidth_gb_s), "--quiet", "--result-dir", str(sim))
+                    str(args.kv_bandwidth_gb_s), "--router-latency-ms", str(args.router_latency_ms), "--quiet",
+                    "--result-dir", str(sim))
             for rate in rates:
                 r, s = per_rate(real, arm, rate), per_rate(sim, arm, rate)  # the sim names arms as bench pd
                 row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s}

@@ -85,6 +85,10 @@ def add_fleet_args(p: argparse.ArgumentParser):
     d.add_argument("--kv-load-failure-rate", type=float, default=0.0,
                    help="XpYd: the chance that a KV load fails (seeded by --seed); D then prefills the prompt itself "
                         "(kv_load_failure_policy recompute) (default: 0).")
+    d.add_argument("--router-latency-ms", type=float, default=0.0,
+                   help="XpYd: what the router adds each time it sends a request on (to P, then to D): its own HTTP "
+                        "in and out, e.g. `benchmarks/pd_hops.py`'s TTFT through the router less P's own (default: "
+                        "0).")
     d.add_argument("--kv-load-wait-ms", type=float, default=KVTransferConfig.kv_load_wait_ms,
                    help="XpYd: how long D's step waits for the KV loads it started before scheduling, so a short "
                         "pull joins this step rather than the next (the engine's kv_load_wait_ms; a cuda profile's "
@@ -179,7 +183,7 @@ def run_sim(args) -> int:
     if not 0 <= args.spec_acceptance <= 1:
         raise ValueError("--spec-acceptance must be in [0, 1]")
     transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0, args.kv_lease_seconds,
-                             args.kv_load_failure_rate, args.kv_load_wait_ms / 1000.0)
+                             args.kv_load_failure_rate, args.kv_load_wait_ms / 1000.0, args.router_latency_ms / 1000.0)
     config = _engine_config(args)
     if args.trace is not None:
         trace = load_trace(args.trace)
@@ -423,7 +427,7 @@ def run_plan(args) -> int:
         spec_base = {k: v for k, v in d.items() if k != "num_speculative_tokens"}
     profile = load_profile(args.profile)
     transfer = TransferModel(args.kv_bandwidth_gb_s * 1e9, args.kv_latency_ms / 1000.0, args.kv_lease_seconds,
-                             args.kv_load_failure_rate, args.kv_load_wait_ms / 1000.0)
+                             args.kv_load_failure_rate, args.kv_load_wait_ms / 1000.0, args.router_latency_ms / 1000.0)
     base = _engine_kwargs(args, (CacheConfig, CompilationConfig))
     for c in cands:  # every candidate's config checked before the first run, an error naming the candidate
         try:

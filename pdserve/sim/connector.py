@@ -28,11 +28,13 @@ from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector,
 
 class TransferModel:
     """Seconds to move `num_bytes` of KV between two nodes: a fixed latency plus bytes over bandwidth; how long P
-    holds a prefill's KV for D (`lease_seconds`, kv_lease_seconds), how often a load fails, and how long D's step
-    waits for the loads it started early (`load_wait_s`, kv_load_wait_ms: the engine's default unless set)."""
+    holds a prefill's KV for D (`lease_seconds`, kv_lease_seconds), how often a load fails, how long D's step
+    waits for the loads it started early (`load_wait_s`, kv_load_wait_ms: the engine's default unless set), and
+    what the router adds each time it sends a request on to a node (`router_latency_s`: its HTTP in and out)."""
 
     def __init__(self, bandwidth_bytes_s: float, latency_s: float, lease_seconds: float = 30.0,
-                 load_failure_rate: float = 0.0, load_wait_s: float = KVTransferConfig.kv_load_wait_ms / 1000):
+                 load_failure_rate: float = 0.0, load_wait_s: float = KVTransferConfig.kv_load_wait_ms / 1000,
+                 router_latency_s: float = 0.0):
         if not bandwidth_bytes_s > 0 or not math.isfinite(bandwidth_bytes_s):
             raise ValueError("--kv-bandwidth-gb-s must be a number > 0")
         if not 0 <= latency_s < math.inf:
@@ -43,11 +45,14 @@ class TransferModel:
             raise ValueError("--kv-load-failure-rate must be in [0, 1]")
         if not 0 <= load_wait_s <= 1:
             raise ValueError("--kv-load-wait-ms must be in [0, 1000]")
+        if not 0 <= router_latency_s <= 1:
+            raise ValueError("--router-latency-ms must be in [0, 1000]")
         self.bandwidth = bandwidth_bytes_s
         self.latency = latency_s
         self.lease_seconds = lease_seconds
         self.load_failure_rate = load_failure_rate
         self.load_wait_s = load_wait_s
+        self.router_latency_s = router_latency_s
 
     def seconds(self, num_bytes: float) -> float:
         return self.latency + num_bytes / self.bandwidth

@@ -13,8 +13,9 @@ Deployments:
   the request (output length 1) is P's whole answer and D is not asked.
 
 A request reaches the node it is sent to the profile's `served.request_latency_s` later (its time outside the node's
-steps: HTTP in and out, translation, the engine's wire; 0 for a bare profile); the router's own hops are not
-modelled. A node steps whenever it has work and is not busy: a step scheduled at t runs the scheduler at t and ends at
+steps: HTTP in and out, translation, the engine's wire; 0 for a bare profile), and in xPyD each send passes the
+router, which adds `TransferModel.router_latency_s` (--router-latency-ms). A node steps whenever it has work and is
+not busy: a step scheduled at t runs the scheduler at t and ends at
 t + the profile's step time; its tokens reach the client at the step's end, and
 requests that arrive meanwhile are added before its next schedule, as the engine loop's inbox is read between
 steps. A node with nothing to run but loads in flight sleeps until the first load ends.
@@ -207,8 +208,9 @@ class Simulator:
         self._send(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
 
     def _send(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
-        """The request leaves for a node of `pool` at `t` and reaches it the pool's request latency later."""
-        lat = self.latency[id(pool)]
+        """The request leaves for a node of `pool` at `t` and reaches it the pool's request latency later (and, xPyD,
+        the router's: each send passes it)."""
+        lat = self.latency[id(pool)] + (self.fabric.transfer.router_latency_s if self.fabric is not None else 0.0)
         if lat:
             self._push(t + lat, "reach", (pool, view, output_len, params))
         else:

@@ -73,6 +73,7 @@ def test_empty_and_missing_traces(tmp_path, capsys, profile):
     (["--spec-acceptance", "1.5"], "--spec-acceptance must be in [0, 1]"),
     (["--kv-bandwidth-gb-s", "0"], "--kv-bandwidth-gb-s must be a number > 0"),
     (["--kv-load-wait-ms", "1000.5"], "--kv-load-wait-ms must be in [0, 1000]"),
+    (["--router-latency-ms", "-1"], "--router-latency-ms must be in [0, 1000]"),
     (["--speculative-config", "{\"method\": \"eagle\"}"], "--speculative-config:"),
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: a simulated node's KV cache"),

@@ -227,3 +227,19 @@ def test_a_served_profiles_request_latency_is_paid_on_each_node_a_request_reache
     assert runs[1]["ttfts"][0] - runs[0]["ttfts"][0] == pytest.approx(visits * 0.004)
     gaps = [b - a for a, b in zip(runs[0]["itls"][0], runs[1]["itls"][0])]
     assert gaps == pytest.approx([0.004 if first_token == "prefill" else 0.0] + [0.0] * (len(gaps) - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("deployment,first_token,sends", [("collocated", "replay", 0), ("1p1d", "replay", 2),
+                                                           ("1p1d", "prefill", 1)])
+def test_the_routers_latency_is_paid_on_each_send_through_it(linear_profile, deployment, first_token, sends):
+    """xPyD: a lone request's TTFT grows by --router-latency-ms once per send before its first token (to P, then to
+    D when D replays); a collocated node is not behind the router in the simulation."""
+    trace = [TraceRequest("r0", 0.0, 37, 9)]
+    runs = [simulate(trace, parse_deployment(deployment), cfg(), linear_profile, pd_first_token=first_token,
+                     transfer=TransferModel(1e12, 0.0, router_latency_s=lat)) for lat in (0.0, 0.003)]
+    assert runs[1]["ttfts"][0] - runs[0]["ttfts"][0] == pytest.approx(sends * 0.003, abs=1e-12)
+
+
+def test_a_router_latency_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"--router-latency-ms must be in \[0, 1000\]"):
+        TransferModel(1e9, 0.0, router_latency_s=2.0)

@@ -75,13 +75,11 @@ class Answer:
         return (self.content or b"").decode(errors="replace")
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        if self._chunks is None:  # read whole already
-            if self.content:
-                yield self.content
-            return
+        """The body still to read (nothing once read)."""
         chunks, self._chunks = self._chunks, None
-        async for chunk in chunks:
-            yield chunk
+        if chunks is not None:
+            async for chunk in chunks:
+                yield chunk
 
     async def aread(self) -> bytes:
         if self._chunks is not None:

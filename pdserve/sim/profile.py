@@ -111,8 +111,15 @@ class ModelShape:
         return cls(_number(d, "kv_bytes_per_token", "model.", positive=True), mml)
 
 
+class _ServedSteps:
+    """A profile's step time as served: its type's bare step time through its `served` section."""
+
+    def step_time(self, s: StepShape) -> float:
+        return self.served.step(self.bare_step_time(s))
+
+
 @dataclass(frozen=True)
-class LinearProfile:
+class LinearProfile(_ServedSteps):
     model: ModelShape
     base_s: dict
     per_token_s: float
@@ -125,12 +132,9 @@ class LinearProfile:
         return (self.base_s[s.mode] + self.per_token_s * s.padded_tokens + self.per_row_s * s.num_reqs
                 + self.per_context_token_s * s.context_tokens)
 
-    def step_time(self, s: StepShape) -> float:
-        return self.served.step(self.bare_step_time(s))
-
 
 @dataclass(frozen=True)
-class RooflineProfile:
+class RooflineProfile(_ServedSteps):
     model: ModelShape
     weight_bytes: float
     flops_per_token: float
@@ -145,9 +149,6 @@ class RooflineProfile:
         bytes_moved = self.weight_bytes + self.model.kv_bytes_per_token * s.context_tokens
         flops = self.flops_per_token * s.padded_tokens + self.attention_flops_per_pair * s.attention_pairs
         return self.overhead_s[s.mode] + max(bytes_moved / self.bandwidth, flops / self.peak_flops)
-
-    def step_time(self, s: StepShape) -> float:
-        return self.served.step(self.bare_step_time(s))
 
 
 Profile = Union[LinearProfile, RooflineProfile]

@@ -114,10 +114,12 @@ class Simulator:
         self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
         self.p_names = {n.name for n in prefill}
         self.leap = leap
-        # a profile's served.request_latency_s: the time a request spends outside a node's steps (HTTP in and out,
-        # its translation, the wire to the engine), taken where it reaches a node of that pool
-        self.latency = {id(pool): nodes[0].profile.served.request_latency_s if nodes else 0.0
-                        for pool, nodes in ((self.p_pool, prefill), (self.d_pool, decode))}
+        # what a send to a node of each pool takes before the node has the request: its profile's
+        # served.request_latency_s (HTTP in and out, the request's translation, the wire to the engine) and, xPyD,
+        # the router's own hop
+        hop = fabric.transfer.router_latency_s if fabric is not None else 0.0
+        self.p_latency, self.d_latency = ((nodes[0].profile.served.request_latency_s if nodes else 0.0) + hop
+                                          for nodes in (prefill, decode))
 
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
@@ -210,7 +212,7 @@ class Simulator:
     def _send(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
         """The request leaves for a node of `pool` at `t` and reaches it the pool's request latency later (and, xPyD,
         the router's: each send passes it)."""
-        lat = self.latency[id(pool)] + (self.fabric.transfer.router_latency_s if self.fabric is not None else 0.0)
+        lat = self.p_latency if pool is self.p_pool else self.d_latency
         if lat:
             self._push(t + lat, "reach", (pool, view, output_len, params))
         else:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +141,22 @@ def _tokenizer_path(args):
     return args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM held until the block ends. transformers' first import (torch, numpy: ~4 s here) does not
+    survive an interrupt raised inside it: numpy left half-imported, or the KeyboardInterrupt swallowed by an import
+    fallback (both seen with one raised at a chosen call). bench pd's interrupt test sends its signal in that window
+    (and exited -6 twice in CI); held, the signal lands after the import."""
+    if threading.current_thread() is not threading.main_thread():  # signals only ever run in the main thread
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _tokenizer(args):
     path = _tokenizer_path(args)
     if path is None:
@@ -146,9 +165,10 @@ def _tokenizer(args):
         return None
     if not Path(path).is_dir():
         raise ValueError(f"--tokenizer {path}: not a local directory (nothing is downloaded)")
-    from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        with _signals_deferred():
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there ({e})") from None
 

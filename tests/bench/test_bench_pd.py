@@ -28,7 +28,8 @@ def marked_pids(marker: str) -> list[int]:
 
 
 def start_bench(tmp_path, marker, *args):
-    env = {**os.environ, "PDSERVE_BENCH_TEST_MARKER": marker}
+    # the fault handler: a fatal error in the bench prints every thread's stack into the output a failure shows
+    env = {**os.environ, "PDSERVE_BENCH_TEST_MARKER": marker, "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "bench", "pd", "--result-dir", str(tmp_path),
                              "--disable-tqdm", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -83,7 +84,8 @@ def test_interrupted_bench_leaves_no_process(qwen3_tiny, tmp_path, sig):
         time.sleep(1.0)
         assert len(marked_pids(marker)) >= 4  # bench, router, P, D
         proc.send_signal(sig)
-        assert proc.wait(30) == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
+        rc = proc.wait(30)
+        assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 130), f"exit {rc}: {proc.stdout.read()[-5000:]}"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -92,3 +92,27 @@ def test_unreachable_target_counts_failures(tmp_path):
               "--dataset-path", str(prompts), "--num-prompts", "3", "--disable-tqdm", timeout=60)
     assert r.returncode == 1 and "Failed requests:" in r.stdout and "Traceback" not in r.stderr
     assert "ClientConnectorError" in r.stdout or "Connect" in r.stdout
+
+
+def test_signals_held_through_the_tokenizer_import():
+    """SIGTERM sent while the client's tokenizer loads runs its handler only once the load is over (an interrupt
+    inside transformers' first import can leave numpy half-imported, or be swallowed)."""
+    import os
+    import signal
+
+    from pdserve.bench import serve
+
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with serve._signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100_000):  # bytecode boundaries at which a pending handler would run
+                pass
+            assert seen == []
+        for _ in range(1000):
+            if seen:
+                break
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -143,18 +143,23 @@ def _tokenizer_path(args):
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """SIGINT and SIGTERM held until the block ends. transformers' first import (torch, numpy: ~4 s here) does not
-    survive an interrupt raised inside it: numpy left half-imported, or the KeyboardInterrupt swallowed by an import
-    fallback (both seen with one raised at a chosen call). bench pd's interrupt test sends its signal in that window
-    (and exited -6 twice in CI); held, the signal lands after the import."""
-    if threading.current_thread() is not threading.main_thread():  # signals only ever run in the main thread
+    """SIGINT and SIGTERM held until the block ends, then raised again. transformers' first import (torch, numpy:
+    ~4 s here) does not survive an interrupt raised inside it: numpy left half-imported, or the KeyboardInterrupt
+    swallowed by an import fallback (both seen with one raised at a chosen call). bench pd's interrupt test sends its
+    signal in that window (and exited -6 twice in CI). Recorded by a handler rather than masked: with any other
+    thread alive, a masked signal is taken by that thread and its handler still runs in the main thread."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set from the main thread
         yield
         return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    caught: list[int] = []
+    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for s, handler in held.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)  # to the handler that was in place: bench pd's raises KeyboardInterrupt
 
 
 def _tokenizer(args):

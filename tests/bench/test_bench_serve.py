@@ -96,14 +96,19 @@ def test_unreachable_target_counts_failures(tmp_path):
 
 def test_signals_held_through_the_tokenizer_import():
     """SIGTERM sent while the client's tokenizer loads runs its handler only once the load is over (an interrupt
-    inside transformers' first import can leave numpy half-imported, or be swallowed)."""
+    inside transformers' first import can leave numpy half-imported, or be swallowed), also with another thread
+    alive (which a masked signal would be delivered to)."""
     import os
     import signal
+    import threading
 
     from pdserve.bench import serve
 
     seen = []
     old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
     try:
         with serve._signals_deferred():
             os.kill(os.getpid(), signal.SIGTERM)
@@ -114,5 +119,8 @@ def test_signals_held_through_the_tokenizer_import():
             if seen:
                 break
         assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the handler in place before, back
     finally:
+        done.set()
+        other.join()
         signal.signal(signal.SIGTERM, old)

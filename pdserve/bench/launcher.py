@@ -1,5 +1,6 @@
-"""Deployments on loopback for `bench pd`: a collocated server, or router + 1 P + 1 D, as child processes (the router
-pdserve's, or vLLM's `vllm-router` in its P/D mode).
+"""Deployments on loopback for `bench pd`: a collocated server, N collocated servers behind pdserve's router
+(`collocated-xN`), or router + 1 P + 1 D, as child processes (the router pdserve's, or vLLM's `vllm-router` in its
+P/D mode).
 
 Each child leads its own process group (teardown ends it and anything it started by group id) and, on Linux, gets
 SIGTERM if the orchestrator dies without cleaning up (PR_SET_PDEATHSIG): children never outlive the bench.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +22,18 @@ from pathlib import Path
 from typing import Optional
 
 from pdserve.bench.http_get import get_json, http_get
+
+
+_POOL = re.compile(r"collocated-x(\d+)")
+
+
+def collocated_nodes(arm: str) -> int:
+    """How many collocated servers an arm runs: 1 for `collocated`, N for `collocated-xN` (N >= 2, behind the
+    router), 0 for a P/D arm."""
+    if arm == "collocated":
+        return 1
+    m = _POOL.fullmatch(arm)
+    return int(m[1]) if m and int(m[1]) >= 2 else 0
 
 
 def free_port() -> int:
@@ -159,21 +173,29 @@ def vllm_router_program() -> Optional[str]:
 
 def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve",
            speculative_config: Optional[str] = None, kv_extra: Optional[dict] = None) -> None:
-    """Spawns `dep.arm`: `collocated`, or 1P1D named by D's full-graph rule (`strict`, `default`, `prompt-tail`) or
-    `first-token` (the default rule, the first token from P) behind `router` (pdserve, or vllm-router), with
-    `speculative_config` (JSON) on the node that decodes and `kv_extra` merged into both nodes' KV configs.
+    """Spawns `dep.arm`: `collocated`, `collocated-xN` (N servers behind pdserve's router), or 1P1D named by D's
+    full-graph rule (`strict`, `default`, `prompt-tail`) or `first-token` (the default rule, the first token from P)
+    behind `router` (pdserve, or vllm-router), with `speculative_config` (JSON) on the node that decodes and
+    `kv_extra` merged into both nodes' KV configs.
     Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
     spec = [] if speculative_config is None else ["--speculative-config", speculative_config]
     arm = dep.arm
     env = {"PDSERVE_KV_TOKEN": token}  # via the environment: never on a command line others can read
     serve = ["serve", model, *server_args]
-    # Every arm gets the same cores: collocated all of them, P and D half each. Two torch processes that each
-    # spin up one thread per core on the same cores slow each other's GEMMs many times over (NOTES.md).
+    # Every arm gets the same cores: collocated all of them, P and D half each, N pooled servers 1/N each. Two torch
+    # processes that each spin up one thread per core on the same cores slow each other's GEMMs many times over
+    # (NOTES.md).
     cpus = os.cpu_count() or 1
-    threads = os.environ.get("OMP_NUM_THREADS") or str(cpus if arm == "collocated" else max(1, cpus // 2))
+    pool = collocated_nodes(arm)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(cpus if arm == "collocated" else max(1, cpus // (pool or 2)))
     env["OMP_NUM_THREADS"] = threads
     if arm == "collocated":
         dep.url = dep.spawn("server", [*serve, *spec], free_port(), env)
+        return
+    if pool:  # the router's collocated pool: every request served whole by one server, in turn
+        dep.decode_urls = [dep.spawn(f"server{i}", [*serve, *spec], free_port(), env) for i in range(pool)]
+        dep.url = dep.spawn("router", ["router", "--decode", *dep.decode_urls, "--log-level", "warning"], free_port(),
+                            env)
         return
     kv_port = free_port()
     producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.launcher import Deployment, launch, vllm_router_program
+from pdserve.bench.launcher import Deployment, collocated_nodes, launch, vllm_router_program
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
@@ -39,7 +39,9 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated arms: collocated, or a 1P1D deployment named by its decode node's "
                         f"--full-graph-rule ({', '.join(RULES)}), or 'default' for 1P1D without the flag (D replays "
                         "the last prompt token), or 'first-token' for 1P1D with the first token from P "
-                        "(--pd-first-token prefill on P and the router; default rule on D) "
+                        "(--pd-first-token prefill on P and the router; default rule on D), or 'collocated-xN' for N "
+                        "collocated servers behind pdserve's router (a pool without prefill nodes; each server gets "
+                        "1/N of the cores, as P and D get half each) "
                         "(default: collocated,strict,default,first-token).")
     p.add_argument("--rates", default="1,2,4,8", help="Comma-separated request rates in req/s (default: 1,2,4,8).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per rate and arm (default: 64).")
@@ -69,9 +71,10 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
 
 def _parse(args) -> tuple[list[str], list[float]]:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in ARMS and not collocated_nodes(a)]
     if bad or not arms:
-        raise ValueError(f"--arms: unknown arm {bad[0] if bad else '(none)'!r} (choose from {', '.join(ARMS)})")
+        raise ValueError(f"--arms: unknown arm {bad[0] if bad else '(none)'!r} (choose from {', '.join(ARMS)}, or "
+                         "collocated-xN with N >= 2)")
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
     except ValueError:

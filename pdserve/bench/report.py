@@ -19,6 +19,11 @@ def _reference(rows: list[dict], row: dict, on_gpu: bool) -> Optional[dict]:
     return next((r for r in rows if r["arm"] == ref_arm and r["rate"] == row["rate"]), None)
 
 
+def arm_label(arm: str) -> str:
+    """The table's and plot's name of an arm: collocated ones as they are, P/D ones as `1P1D <arm>`."""
+    return arm if arm.startswith("collocated") else f"1P1D {arm}"
+
+
 def _cell(value: float, ref: Optional[float]) -> str:
     if value is None or math.isnan(value):
         return "n/a"
@@ -44,8 +49,7 @@ def format_table(rows: list[dict]) -> str:
         ref = _reference(rows, r, on_gpu)
         share, ref_share = r["non_full_share"], ref["non_full_share"] if ref and on_gpu else math.nan
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["non_full_reasons"].items())) or "-"
-        body.append([f"{r['isl']}/{r['osl']}", f"{r['rate']:g}", r["arm"] if r["arm"] == "collocated" else
-                     f"1P1D {r['arm']}", _share(share, ref_share), reasons,
+        body.append([f"{r['isl']}/{r['osl']}", f"{r['rate']:g}", arm_label(r["arm"]), _share(share, ref_share), reasons,
                      *(_cell(r[k], ref[k] if ref else None) for k, _ in TIMING), str(r["failed"]),
                      *(_acceptance(r.get("spec_decode")) if spec else [])])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -75,7 +79,7 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
     fig, (ax_itl, ax_share) = plt.subplots(1, 2, figsize=(11, 4))
     for arm in dict.fromkeys(r["arm"] for r in rows):
         pts = sorted((r["rate"], r["p99_itl_ms"], 100 * r["non_full_share"]) for r in rows if r["arm"] == arm)
-        label = arm if arm == "collocated" else f"1P1D {arm}"
+        label = arm_label(arm)
         ax_itl.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax_share.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
     device = next((r["device"] for r in rows if r["device"]), "unknown")

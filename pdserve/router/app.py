@@ -32,6 +32,8 @@ Lifecycle of a request:
    travel too), or the client goes away before D's
    answer (its request to D is dropped, so D aborts), the router posts the signed params to that P's
    `/v1/kv/release` (in the background; should that fail too, the lease ends at its expiry).
+Without prefill nodes (`pdserve router --decode A B`, no --prefill) the router fronts a collocated pool: step 2
+is skipped and every request is served whole by the node step 3 picks, with the same health checks and migration.
 With `--pd-first-token prefill` (docs/pd.md) step 2 sends P the client's own params with `first_token` asked; a
 P answer without params is then the whole answer (its token ended the request: D is not asked); otherwise a
 streamed request gets P's token at once and D's stream after it, spliced (router/first_token.py), and a D that
@@ -224,7 +226,7 @@ class Router(Fleet):
         skip_p = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], int) or \
             (isinstance(n, int) and not isinstance(n, bool) and n > 1) or \
             (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))) or \
-            asks_prompt_logprobs(body) or no_d  # no D: a P serves it whole (`fallback`)
+            asks_prompt_logprobs(body) or no_d or not self.prefill.nodes  # no D: a P serves it whole (`fallback`)
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
         try:

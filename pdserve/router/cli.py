@@ -12,10 +12,12 @@ from pdserve.serve.request_context import exit_cleanly_after_signals
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="Prefill node base URLs (http[s]://host:port).")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="Prefill node base URLs (http[s]://host:port). Left out, the router fronts a collocated "
+                        "pool (vllm-router's plain mode): each request is served whole by one --decode node, any "
+                        "`pdserve serve`, picked by --policy, with the same health checks and migration.")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="Decode node base URLs (http[s]://host:port).")
+                   help="Decode node base URLs (http[s]://host:port); without --prefill, the collocated nodes.")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
     p.add_argument("--policy", choices=("round-robin", "least-loaded"), default="round-robin",
@@ -60,6 +62,9 @@ def check_router_args(args) -> None:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 0 < args.health_interval < float("inf"):
         raise ValueError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
+    if args.pd_first_token == "prefill" and not args.prefill:
+        raise ValueError("--pd-first-token prefill needs --prefill nodes (P samples the first token); without them "
+                         "every request is served whole by a --decode node")
     for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
         for url in urls:
             if (why := _bad_url(url)) is not None:

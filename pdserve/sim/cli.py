@@ -86,9 +86,9 @@ def add_fleet_args(p: argparse.ArgumentParser):
                    help="XpYd: the chance that a KV load fails (seeded by --seed); D then prefills the prompt itself "
                         "(kv_load_failure_policy recompute) (default: 0).")
     d.add_argument("--router-latency-ms", type=float, default=0.0,
-                   help="XpYd: what the router adds each time it sends a request on (to P, then to D): its own HTTP "
-                        "in and out, e.g. `benchmarks/pd_hops.py`'s TTFT through the router less P's own (default: "
-                        "0).")
+                   help="What the router adds each time it sends a request on (XpYd: to P, then to D; a collocated "
+                        "pool of --nodes > 1: to its node; a lone collocated node has no router): its own HTTP in "
+                        "and out, e.g. `benchmarks/pd_hops.py`'s TTFT through the router less P's own (default: 0).")
     d.add_argument("--kv-load-wait-ms", type=float, default=KVTransferConfig.kv_load_wait_ms,
                    help="XpYd: how long D's step waits for the KV loads it started before scheduling, so a short "
                         "pull joins this step rather than the next (the engine's kv_load_wait_ms; a cuda profile's "
@@ -199,13 +199,14 @@ def run_sim(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--result-dir {out}: {e.strerror or e}") from None
-    # the arm, as bench pd names it: collocated, first-token, or the decode nodes' rule ('default' when the flag was
-    # left alone)
+    # the arm, as bench pd names it: collocated (collocated-xN for a pool of N), first-token, or the decode nodes'
+    # rule ('default' when the flag was left alone)
     rule = config.compilation.full_graph_rule
     if args.pd_first_token == "prefill" and not dep.num_prefill:
         raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
-    arm = "collocated" if not dep.num_prefill else "first-token" if args.pd_first_token == "prefill" else (
-        "default" if rule == CompilationConfig().full_graph_rule else rule)
+    arm = ("collocated" if dep.num_decode == 1 else f"collocated-x{dep.num_decode}") if not dep.num_prefill else \
+        "first-token" if args.pd_first_token == "prefill" else (
+            "default" if rule == CompilationConfig().full_graph_rule else rule)
     rows = []
     for rate, trace in runs:
         result = simulate(trace, dep, config, profile, transfer=transfer, policy=args.router_policy,

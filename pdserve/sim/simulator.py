@@ -14,7 +14,8 @@ Deployments:
 
 A request reaches the node it is sent to the profile's `served.request_latency_s` later (its time outside the node's
 steps: HTTP in and out, translation, the engine's wire; 0 for a bare profile), and in xPyD each send passes the
-router, which adds `TransferModel.router_latency_s` (--router-latency-ms). A node steps whenever it has work and is
+router, which adds `TransferModel.router_latency_s` (--router-latency-ms), as a collocated pool of several nodes
+does (a lone collocated node is served directly). A node steps whenever it has work and is
 not busy: a step scheduled at t runs the scheduler at t and ends at
 t + the profile's step time; its tokens reach the client at the step's end, and
 requests that arrive meanwhile are added before its next schedule, as the engine loop's inbox is read between
@@ -94,8 +95,9 @@ class ClientView:
 class Simulator:
     def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
                  fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None,
-                 pd_first_token: str = "replay", leap: bool = True):
-        """`prefill` empty: a collocated deployment of the `decode` nodes. `pd_first_token`: the router's
+                 pd_first_token: str = "replay", leap: bool = True, pool_router_latency_s: float = 0.0):
+        """`prefill` empty: a collocated deployment of the `decode` nodes, behind the router when there are several
+        (`pool_router_latency_s`: what it adds per send there; xPyD takes the fabric's). `pd_first_token`: the router's
         --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first).
         `leap`: advance steady decode runs in leaps (False: every step through the scheduler, --step-by-step)."""
         if pd_first_token not in ("replay", "prefill"):
@@ -116,8 +118,8 @@ class Simulator:
         self.leap = leap
         # what a send to a node of each pool takes before the node has the request: its profile's
         # served.request_latency_s (HTTP in and out, the request's translation, the wire to the engine) and, xPyD,
-        # the router's own hop
-        hop = fabric.transfer.router_latency_s if fabric is not None else 0.0
+        # the router's own hop (a collocated pool of several nodes is behind one too: `pdserve router --decode A B`)
+        hop = fabric.transfer.router_latency_s if fabric is not None else pool_router_latency_s
         self.p_latency, self.d_latency = ((nodes[0].profile.served.request_latency_s if nodes else 0.0) + hop
                                           for nodes in (prefill, decode))
 

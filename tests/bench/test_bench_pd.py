@@ -69,6 +69,27 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     assert lens["collocated"] == lens["strict"] == lens["default"] == [12] * 6
 
 
+def test_a_collocated_pool_behind_the_router(qwen3_tiny, tmp_path):
+    """`collocated-x2`: two collocated servers behind pdserve's router (no prefill nodes), each serving requests whole
+    in turn, both scraped for the graph counters; the same token counts as one collocated server."""
+    marker = uuid.uuid4().hex
+    proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms", "collocated,collocated-x2", "--rates", "8",
+                       "--num-prompts", "6", "--random-input-len", "17", "--random-output-len", "5", "--warmup", "0")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-5000:]
+    assert not marked_pids(marker), "bench pd left processes behind"
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows["collocated-x2"]["completed"] == 6 and rows["collocated-x2"]["failed"] == 0
+    assert rows["collocated-x2"]["full_steps"] > 0 and rows["collocated-x2"]["non_full_reasons"].get("prefill", 0) > 0
+    for i in (0, 1):  # round-robin: each server took three of the six
+        log = (tmp_path / "logs" / f"collocated-x2-server{i}.log").read_text()
+        assert log.count("POST /v1/completions") == 3, log[-2000:]
+    lens = {a: json.loads((tmp_path / f"{a}_rate8.json").read_text())["output_lens"]
+            for a in ("collocated", "collocated-x2")}
+    assert lens["collocated"] == lens["collocated-x2"] == [5] * 6
+    assert " collocated-x2 " in (tmp_path / "table.txt").read_text()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])
 def test_interrupted_bench_leaves_no_process(qwen3_tiny, tmp_path, sig):
     """Ctrl-C and SIGTERM go through the bench's teardown; SIGKILL leaves it to the children's parent-death

@@ -229,13 +229,14 @@ def test_a_served_profiles_request_latency_is_paid_on_each_node_a_request_reache
     assert gaps == pytest.approx([0.004 if first_token == "prefill" else 0.0] + [0.0] * (len(gaps) - 1), abs=1e-12)
 
 
-@pytest.mark.parametrize("deployment,first_token,sends", [("collocated", "replay", 0), ("1p1d", "replay", 2),
-                                                           ("1p1d", "prefill", 1)])
-def test_the_routers_latency_is_paid_on_each_send_through_it(linear_profile, deployment, first_token, sends):
-    """xPyD: a lone request's TTFT grows by --router-latency-ms once per send before its first token (to P, then to
-    D when D replays); a collocated node is not behind the router in the simulation."""
+@pytest.mark.parametrize("deployment,nodes,first_token,sends", [("collocated", 1, "replay", 0),
+                                                                 ("collocated", 2, "replay", 1),
+                                                                 ("1p1d", 1, "replay", 2), ("1p1d", 1, "prefill", 1)])
+def test_the_routers_latency_is_paid_on_each_send_through_it(linear_profile, deployment, nodes, first_token, sends):
+    """A lone request's TTFT grows by --router-latency-ms once per send before its first token (xPyD: to P, then to
+    D when D replays; a collocated pool of two: to its node); a lone collocated node has no router."""
     trace = [TraceRequest("r0", 0.0, 37, 9)]
-    runs = [simulate(trace, parse_deployment(deployment), cfg(), linear_profile, pd_first_token=first_token,
+    runs = [simulate(trace, parse_deployment(deployment, nodes), cfg(), linear_profile, pd_first_token=first_token,
                      transfer=TransferModel(1e12, 0.0, router_latency_s=lat)) for lat in (0.0, 0.003)]
     assert runs[1]["ttfts"][0] - runs[0]["ttfts"][0] == pytest.approx(sends * 0.003, abs=1e-12)
 

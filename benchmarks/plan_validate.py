@@ -3,7 +3,8 @@
 The deployments two nodes make here, run for real by `bench pd` (`collocated-x2`: two collocated servers behind
 pdserve's router; `default`: 1P1D, D replaying; `first-token` with --pd-first-token prefill), every node on one of
 the two cores (one OpenMP thread each, as bench pd gives them), and ranked by `pdserve plan --nodes 2` on a profile
-`pdserve sim calibrate --served` measured at one thread, with the same workload (lengths, rates, seed), the same
+`pdserve sim calibrate --served --served-neighbours 1` measured at one thread and `--shared-host` (the two nodes
+slow each other while both are mid-step, as they do here), with the same workload (lengths, rates, seed), the same
 engine knobs as `pdserve serve`'s defaults, and the same SLOs (bench serve's --goodput form). Per rate the table
 shows each deployment's share of requests meeting every SLO, real and simulated, and whether the two orders agree;
 then the ranking by goodput per node at the best rate, as `pdserve plan` prints it, real and simulated.
@@ -83,7 +84,11 @@ def main() -> int:
                     help="What the router adds per send, in every simulated arm here (all are behind it) (default: "
                          "2.6, benchmarks/results/pd_hops.json).")
     ap.add_argument("--profile", default=None, help="A profile to use instead of calibrating one (it must have been "
-                                                    "measured at one thread, with --served).")
+                                                    "measured at one thread, with --served and, unless --lone, "
+                                                    "--served-neighbours 1).")
+    ap.add_argument("--lone", action="store_true",
+                    help="Simulate each node on a machine of its own (no --shared-host; the profile calibrated "
+                         "without a neighbour), as before the neighbour model: the two nodes here share 2 cores.")
     ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "plan_validate.json"))
     args = ap.parse_args()
@@ -105,7 +110,8 @@ def main() -> int:
     if profile is None:
         t0 = time.monotonic()
         profile = str(work / "tiny_threads1.json")
-        pdserve("sim", "calibrate", "--model", model, "--out", profile, "--served", env={"OMP_NUM_THREADS": "1"})
+        pdserve("sim", "calibrate", "--model", model, "--out", profile, "--served",
+                *([] if args.lone else ["--served-neighbours", "1"]), env={"OMP_NUM_THREADS": "1"})
         print(f"calibrated in {time.monotonic() - t0:.0f} s", flush=True)
     t0 = time.monotonic()
     real = work / "real"
@@ -122,7 +128,8 @@ def main() -> int:
                 "--max-num-seqs", str(sched.max_num_seqs), "--max-num-batched-tokens",
                 str(sched.max_num_batched_tokens), "--pd-first-token", first_token,
                 "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s", str(args.kv_bandwidth_gb_s),
-                "--router-latency-ms", str(args.router_latency_ms), "--plot-top", "0", "--quiet",
+                "--router-latency-ms", str(args.router_latency_ms), *([] if args.lone else ["--shared-host"]),
+                "--plot-top", "0", "--quiet",
                 "--result-dir", str(out))
         for c in json.loads((out / "plan.json").read_text())["ranking"]:
             arm = next(a for a in arms if PLAN_OF[a] == (c["deployment"].lower(), first_token))

@@ -4,7 +4,9 @@ Per model: `pdserve sim calibrate --served` measures this machine's engine twice
 node gets under `bench pd` on these cores (all of them for the collocated server, half each for P and D): the bare
 steps, then a real server's streams for what serving adds (`--bare`: the bare steps only, as before), then `bench pd`
 runs the deployments for real (collocated, 1P1D with the default rule, 1P1D with the strict rule, by default) and
-`pdserve sim` runs the same workload (same lengths, rates, seed) on the profile of the node's thread count. The
+`pdserve sim` runs the same workload (same lengths, rates, seed) on the profile of the node's thread count. P and D
+share the cores here, so the half-the-cores profile is measured beside a second busy server (`--served-neighbours
+1`) and the 1P1D arms are simulated with `--shared-host` (`--lone`: neither, as before). The
 table compares, per deployment and rate: median TTFT, median TPOT, p99 ITL and the decode node's non-FULL step share,
 against the issue's bounds (20%, 10%, 25%, 1 percentage point).
 
@@ -66,6 +68,9 @@ def main() -> int:
                          "through the router less P's own answer at idle here, benchmarks/results/pd_hops.json).")
     ap.add_argument("--bare", action="store_true", help="Calibrate the bare engine steps only (no --served): the "
                                                         "simulator then leaves out what serving adds.")
+    ap.add_argument("--lone", action="store_true",
+                    help="Simulate P and D each on a machine of its own (no --shared-host, no neighbour measured), "
+                         "as before the neighbour model; here they share 2 cores.")
     ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sim_validate.json"))
     args = ap.parse_args()
@@ -83,8 +88,10 @@ def main() -> int:
         profiles = {}
         for threads in sorted({cpus, max(1, cpus // 2)}):  # as bench pd's launcher gives them (launch())
             profiles[threads] = work / f"{size}_threads{threads}.json"
+            # a node with fewer threads than cores has a neighbour here (P beside D): measured beside one
+            beside = ["--served-neighbours", "1"] if threads < cpus and not (args.bare or args.lone) else []
             pdserve("sim", "calibrate", "--model", model, "--out", str(profiles[threads]),
-                    *([] if args.bare else ["--served"]), env={"OMP_NUM_THREADS": str(threads)})
+                    *([] if args.bare else ["--served"]), *beside, env={"OMP_NUM_THREADS": str(threads)})
         print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
         real = work / f"{size}_real"
         t0 = time.monotonic()
@@ -94,7 +101,9 @@ def main() -> int:
         for arm in arms:
             threads = cpus if arm == "collocated" else max(1, cpus // 2)
             sim = work / f"{size}_sim_{arm}"
-            pdserve("sim", "--profile", str(profiles[threads]), *SIM_DEPLOYMENT[arm], "--request-rate", args.rates,
+            shared = ["--shared-host"] if arm != "collocated" and not (args.bare or args.lone) else []
+            pdserve("sim", "--profile", str(profiles[threads]), *SIM_DEPLOYMENT[arm], *shared,
+                    "--request-rate", args.rates,
                     *workload, "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s",
                     str(args.kv_bandwidth_gb_s), "--router-latency-ms", str(args.router_latency_ms), "--quiet",
                     "--result-dir", str(sim))

@@ -16,6 +16,9 @@ gap over that run (its chunks may reach the client in bursts; the run's length m
 known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' runs against the bare profile's
 prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
 prefill step, is what a request spends outside the steps: `request_latency_s` is the median.
+`--served-neighbours N` starts N more such servers and runs the grid again on all of them at once: each batch's
+decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio less 1, per neighbour),
+what `pdserve sim --shared-host` applies to a step per other node mid-step on the same machine.
 """
 from __future__ import annotations
 
@@ -166,10 +169,15 @@ async def _batches(url: str, model_name: str, grid: list[tuple[int, int]], decod
     return out
 
 
+Batches = list[tuple[int, int, float, list[list[float]]]]  # (rows, context, send time, each stream's chunk times)
+
+
 def measure_served(model: str, rows: list[int], contexts: list[int], decode_steps: int, vocab: int,
-                   progress: Optional[Callable[[str], None]] = None) -> list[tuple[int, int, float, list[list[float]]]]:
+                   progress: Optional[Callable[[str], None]] = None, neighbours: int = 0) -> tuple[Batches, Batches]:
     """The grid's batches through a real `pdserve serve` of `model` (started here, stopped at the end) with the
-    engine settings `measure` used; OMP_NUM_THREADS as this process has it."""
+    engine settings `measure` used; OMP_NUM_THREADS as this process has it. With `neighbours`, that many more such
+    servers start, and the grid runs again on all of them at once: (the lone server's batches, its batches beside
+    the neighbours; [] without)."""
     from pdserve.bench.launcher import Deployment, free_port
     args = ["serve", model, "--log-level", "warning", "--max-model-len", str(max(contexts) + decode_steps + 1),
             "--max-num-seqs", str(max(rows)), "--max-num-batched-tokens", str(max(8, max(rows) * max(contexts))),
@@ -177,22 +185,63 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
     dep = Deployment("calibrate", Path(tempfile.mkdtemp(prefix="pdserve-calibrate-")))
     try:
-        url = dep.spawn("server", args, free_port(), env)
+        urls = [dep.spawn(f"server{i}", args, free_port(), env) for i in range(1 + neighbours)]
         dep.wait_healthy(300)
         grid = [(1, min(contexts))] + [(r, c) for r in rows for c in contexts]  # the first: a warm-up, not kept
-        return asyncio.run(_batches(url, Path(model).name, grid, decode_steps, vocab, progress))[1:]
+        name = Path(model).name
+        lone = asyncio.run(_batches(urls[0], name, grid, decode_steps, vocab, progress))[1:]
+        if not neighbours:
+            return lone, []
+
+        async def together():  # each server its own client, the same grid, started at once
+            return await asyncio.gather(*(_batches(u, name, grid, decode_steps, vocab, progress if i == 0 else None)
+                                          for i, u in enumerate(urls)))
+        return lone, asyncio.run(together())[0][1:]
     finally:
         dep.stop()
 
 
-def fit_served(batches: list[tuple[int, int, float, list[list[float]]]], bare: list[tuple[StepShape, float]],
-               predict: Callable[[StepShape], float]) -> tuple[dict, dict]:
+def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: Callable[[StepShape], float],
+               beside: Optional[Batches] = None, neighbours: int = 1) -> tuple[dict, dict]:
     """(the profile's `served` section, its fit report) from the served batches; `bare`: the bare steps measured
     with the same engine settings (a batch's decode and prefill step shapes are read from them), `predict`: the
-    bare profile."""
+    bare profile; `beside`: the same batches run beside `neighbours` other servers running theirs, which fits
+    `neighbour_scale`."""
+    gaps, firsts = _decode_runs(batches, bare)
+    if len(gaps) < 2:
+        raise ValueError("the served batches gave too few decode runs to fit: widen the grid (--rows, "
+                         "--context-lens, --decode-steps)")
+    X = np.array([[predict(s), 1.0] for s, _ in gaps.values()])
+    y = np.array([t for _, t in gaps.values()])
+    scale, overhead = _nonneg_lstsq(X / y[:, None], np.ones_like(y))
+    if scale == 0:  # the served steps do not grow with the bare ones at all: keep the bare model's shape
+        scale, overhead = 1.0, max(0.0, float(np.median(y - X[:, 0])))
+    served = {"step_scale": float(scale), "step_overhead_s": float(overhead)}
+    rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
+    lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
+    served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
+    report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
+              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts)}
+    if beside:
+        # the same batches' decode runs with `neighbours` other servers running theirs: how much longer a step
+        # takes per busy neighbour (they overlap most of each run, not all of it: a floor, not a ceiling)
+        paired, _ = _decode_runs(beside, bare)
+        ratios = [paired[k][1] / gaps[k][1] for k in paired if k in gaps]
+        if not ratios:
+            raise ValueError("the batches beside a neighbour gave no decode run to compare: widen the grid")
+        served["neighbour_scale"] = max(0.0, (float(statistics.median(ratios)) - 1.0) / neighbours)
+        report.update(neighbour_runs=len(ratios), neighbours=neighbours,
+                      neighbour_ratio_min=float(min(ratios)), neighbour_ratio_max=float(max(ratios)))
+    return served, report
+
+
+def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
+                 ) -> tuple[dict[tuple[int, int], tuple[StepShape, float]], list[tuple[StepShape, float]]]:
+    """({(rows, context): (the decode run's step shape, its mean gap)}, [(a lone request's prefill shape, its time to
+    the first chunk)]) of the served batches (fit_served's docstring)."""
     decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
     prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
-    gaps, firsts = [], []
+    gaps, firsts = {}, []
     for r, c, t0, streams in batches:
         if r not in decode_shape or any(len(t) < 2 for t in streams):
             continue
@@ -210,33 +259,25 @@ def fit_served(batches: list[tuple[int, int, float, list[list[float]]]], bare: l
             k1 = statistics.median(b for _, b, _ in spans)
             ctx = round(r * (c + (k0 + 1 + k1) / 2))  # the run's steps made tokens k0 + 1 .. k1: their mean context
             s = decode_shape[r]
-            gaps.append((StepShape(s.mode, r, s.padded_tokens, r, ctx, ctx), statistics.median(g for _, _, g in spans)))
+            gaps[(r, c)] = (StepShape(s.mode, r, s.padded_tokens, r, ctx, ctx),
+                            statistics.median(g for _, _, g in spans))
         if r == 1 and c in prefill_shape:
             firsts.append((prefill_shape[c], streams[0][0] - t0))
-    if len(gaps) < 2:
-        raise ValueError("the served batches gave too few decode runs to fit: widen the grid (--rows, "
-                         "--context-lens, --decode-steps)")
-    X = np.array([[predict(s), 1.0] for s, _ in gaps])
-    y = np.array([t for _, t in gaps])
-    scale, overhead = _nonneg_lstsq(X / y[:, None], np.ones_like(y))
-    if scale == 0:  # the served steps do not grow with the bare ones at all: keep the bare model's shape
-        scale, overhead = 1.0, max(0.0, float(np.median(y - X[:, 0])))
-    served = {"step_scale": float(scale), "step_overhead_s": float(overhead)}
-    rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
-    lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
-    served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
-    report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
-              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts)}
-    return served, report
+    return gaps, firsts
 
 
 def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: int, name: Optional[str] = None,
               engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None,
-              served: bool = False) -> dict:
+              served: bool = False, neighbours: int = 0) -> dict:
     """The linear profile of `model` on this machine, as a JSON-ready dict (checked by profile_from_dict); with
-    `served`, its `served` section from a real server too (the module's docstring)."""
+    `served`, its `served` section from a real server too (the module's docstring), and with `neighbours` its
+    neighbour_scale from that many more servers running the grid beside it."""
     if not rows or min(rows) < 1 or not contexts or min(contexts) < 1 or decode_steps < 2:
         raise ValueError("--rows and --context-lens need positive integers, --decode-steps >= 2")
+    if neighbours and not served:
+        raise ValueError("--served-neighbours needs --served")
+    if not 0 <= neighbours <= 8:
+        raise ValueError(f"--served-neighbours must be in [0, 8], got {neighbours}")
     if served and 1 not in rows:
         raise ValueError("--served needs 1 in --rows: a lone request's first chunk gives the request latency")
     samples, facts = [], {}
@@ -254,7 +295,8 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
          "coefficients": coefs, "fit": report}
     bare = profile_from_dict(d)  # what we write must load
     if served:
-        batches = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"], progress)
-        d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time)
+        batches, beside = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"], progress,
+                                         neighbours)
+        d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time, beside, neighbours)
         profile_from_dict(d)
     return d

@@ -111,6 +111,11 @@ def add_fleet_args(p: argparse.ArgumentParser):
                         "advances to the next thing that can change its batch (a row's last token, blocks running "
                         "short, a request routed to it, a load ending) in one leap, with the same steps, times and "
                         "counts (docs/sim.md, Scale); this flag is the check, and the slower way.")
+    d.add_argument("--shared-host", action="store_true",
+                   help="Every node on one machine's cores, as bench pd runs a deployment: a step takes (1 + the "
+                        "profile's served.neighbour_scale x k) times as long when k other nodes are mid-step as it "
+                        "starts (`sim calibrate --served --served-neighbours 1` fits it). Steps then go one by one "
+                        "(no leaps). Default: each node on a machine of its own.")
     return d
 
 
@@ -211,7 +216,7 @@ def run_sim(args) -> int:
     for rate, trace in runs:
         result = simulate(trace, dep, config, profile, transfer=transfer, policy=args.router_policy,
                           spec_acceptance=args.spec_acceptance, seed=args.seed, pd_first_token=args.pd_first_token,
-                          step_by_step=args.step_by_step)
+                          step_by_step=args.step_by_step, shared_host=args.shared_host)
         result.update(dataset="trace" if args.trace else "random", request_rate=rate, burstiness=args.burstiness,
                       random_input_len=round(sum(r.prompt_len for r in trace) / len(trace)),
                       random_output_len=round(sum(r.output_len for r in trace) / len(trace)),
@@ -263,6 +268,10 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                         "process's OMP_NUM_THREADS) and fit what serving adds: served decode steps as scale x the "
                         "bare step + overhead, and each request's latency outside the steps (the profile's `served` "
                         "section; needs 1 in --rows).")
+    p.add_argument("--served-neighbours", type=int, default=0, metavar="N",
+                   help="With --served: start N more servers and run the grid on all of them at once, fitting how "
+                        "much longer a step takes per busy neighbour on this machine's cores (served."
+                        "neighbour_scale, used by `pdserve sim --shared-host`) (default: 0, not measured).")
 
 
 def _ints(flag: str, text: str) -> list[int]:
@@ -281,7 +290,8 @@ def run_calibrate(args) -> int:
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     rows, contexts = _ints("--rows", args.rows), _ints("--context-lens", args.context_lens)
     d = calibrate(args.model, rows, contexts, args.decode_steps, args.name,
-                  progress=lambda msg: print(f"[calibrate] {msg}", flush=True), served=args.served)
+                  progress=lambda msg: print(f"[calibrate] {msg}", flush=True), served=args.served,
+                  neighbours=args.served_neighbours)
     try:
         Path(args.out).write_text(json.dumps(d, indent=1) + "\n")
     except OSError as e:
@@ -297,6 +307,10 @@ def run_calibrate(args) -> int:
         print(f"[calibrate] served: step = {s['step_scale']:.3f} x bare + {1e3 * s['step_overhead_s']:.3f} ms "
               f"({sf['decode_runs']} decode runs, median error {100 * sf['median_rel_error']:.1f}%), request "
               f"latency {1e3 * s['request_latency_s']:.2f} ms ({sf['first_chunks']} lone requests)")
+        if "neighbour_scale" in s:
+            print(f"[calibrate] beside {sf['neighbours']} busy server(s): a step x (1 + {s['neighbour_scale']:.3f} per "
+                  f"busy neighbour) ({sf['neighbour_runs']} decode runs, ratios {sf['neighbour_ratio_min']:.2f}-"
+                  f"{sf['neighbour_ratio_max']:.2f})")
     print(f"[calibrate] profile written to {args.out}")
     return 0
 
@@ -459,7 +473,7 @@ def run_plan(args) -> int:
                              policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
                              rates=rates, start_rate=args.start_rate, max_rates=args.max_rates, progress=progress,
                              pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100,
-                             step_by_step=args.step_by_step)
+                             step_by_step=args.step_by_step, shared_host=args.shared_host)
     finally:
         bar.close()
     table = format_ranking(ranked, slos, attainment=args.slo_attainment / 100)

@@ -128,6 +128,9 @@ class SimNode:
         self.rng = random.Random(seed)
         self._follow: dict[str, tuple[dict, int]] = {}  # request id -> (token -> latest successor, tokens indexed)
         self.busy_until = 0.0
+        # the nodes sharing this one's machine (itself included; `--shared-host`): each one mid-step slows a step
+        # that starts by the profile's served.neighbour_scale. None: a machine of its own.
+        self.host: Optional[list["SimNode"]] = None
         self.num_steps = 0
         self.num_rows = 0  # rows over all steps
         self.busy_s = 0.0  # simulated seconds spent in steps
@@ -198,6 +201,9 @@ class SimNode:
                                                       self.is_pd_consumer)
         self.graph_stats.record(mode.value, num_tokens, desc.num_tokens, len(out.rows), reason)
         dt = self.profile.step_time(_shape(out, mode.value, desc.num_tokens, num_tokens))
+        if self.host is not None:
+            busy = sum(n is not self and n.busy_until > now for n in self.host)
+            dt *= 1.0 + self.profile.served.neighbour_scale * busy
         rows = [(r.request.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.rows]
         sampled = self.sampler(out) if self.sampler is not None else self._sample(out)
         updated = self.scheduler.update_from_output(out, sampled)

@@ -17,7 +17,9 @@ Both may carry a `fit` object: how the free parameters were found (informational
 bare step and to each request, `step_scale` x step + `step_overhead_s` for a step as a served engine runs it (the
 engine loop's wire and records, and on shared cores the server's own work beside it), and `request_latency_s`,
 the time a request spends outside the node's steps on each node it visits (HTTP in and out, the request's
-translation, the wire to the engine and back), which the simulator adds where the request reaches a node.
+translation, the wire to the engine and back), which the simulator adds where the request reaches a node, and
+`neighbour_scale` (`--served-neighbours`): on nodes sharing one machine's cores (`pdserve sim --shared-host`), a step
+takes (1 + neighbour_scale x k) times as long when k other nodes are mid-step as it starts.
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
@@ -53,6 +55,7 @@ class Served:
     step_scale: float = 1.0
     step_overhead_s: float = 0.0
     request_latency_s: float = 0.0
+    neighbour_scale: float = 0.0  # per other node mid-step on the same host (--shared-host)
 
     def step(self, bare_s: float) -> float:
         return self.step_scale * bare_s + self.step_overhead_s
@@ -62,10 +65,10 @@ class Served:
         if "served" not in d:
             return cls()
         sec = _section(d, "served")
-        _only(sec, ("step_scale", "step_overhead_s", "request_latency_s"), "served.")
+        _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale"), "served.")
         return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
-                   _number(sec, "step_overhead_s", "served.") if "step_overhead_s" in sec else 0.0,
-                   _number(sec, "request_latency_s", "served.") if "request_latency_s" in sec else 0.0)
+                   *(_number(sec, k, "served.") if k in sec else 0.0
+                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")))
 
 
 def _number(d: dict, key: str, where: str, positive: bool = False) -> float:

@@ -72,19 +72,24 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
 def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, profile: Profile, *,
              transfer: Optional[TransferModel] = None, policy: str = "round-robin", spec_acceptance: float = 0.0,
              seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None,
-             pd_first_token: str = "replay", step_by_step: bool = False) -> dict:
+             pd_first_token: str = "replay", step_by_step: bool = False, shared_host: bool = False) -> dict:
     """Run `trace` on the deployment; returns bench serve's result dict (see module docstring). `slos` (seconds
     by metric, bench serve's --goodput) adds `request_goodput`; `pd_first_token`: the router's --pd-first-token
     (replay or prefill, for an XpYd deployment); `step_by_step`: every step through the scheduler, no
-    event-leaping (the same results, slower; sim/simulator.py)."""
+    event-leaping (the same results, slower; sim/simulator.py); `shared_host`: every node on one machine's cores,
+    each step slowed by the profile's served.neighbour_scale per other node mid-step as it starts (a deployment run
+    on one machine, as bench pd's; steps then go one by one, since a leap's step times would change)."""
     if pd_first_token == "prefill" and not dep.num_prefill:
         raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
     if dep.num_prefill and transfer is None:
         raise ValueError("an XpYd deployment needs a transfer model")
     prefill, decode, fabric = build_nodes(dep, config, profile, transfer, spec_acceptance, seed)
+    if shared_host:
+        for n in prefill + decode:
+            n.host = prefill + decode
     pool_hop = transfer.router_latency_s if transfer is not None and not dep.num_prefill and dep.num_decode > 1 \
         else 0.0  # several collocated nodes are behind the router; a lone one is served directly
-    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=not step_by_step,
+    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=not (step_by_step or shared_host),
                     pool_router_latency_s=pool_hop)
     t0 = time.perf_counter()
     results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
@@ -114,7 +119,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "generated_texts": [""] * len(results), "errors": [r.error for r in results],
         "request_ids": [r.request_id for r in trace],
         "sim": {"deployment": dep.name, "router_policy": policy, "pd_first_token": pd_first_token,
-                "profile": profile.raw, "wall_s": wall, "step_by_step": step_by_step,
+                "profile": profile.raw, "wall_s": wall, "step_by_step": step_by_step, "shared_host": shared_host,
                 "kv_bytes_transferred": fabric.bytes_moved if fabric else 0,
                 "kv_failed_loads": fabric.failed_loads if fabric else 0,
                 "kv_expired_leases": fabric.expired_leases if fabric else 0,

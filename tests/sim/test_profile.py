@@ -135,8 +135,11 @@ def test_a_served_section_scales_the_step_and_is_checked_by_name():
     assert p.step_time(s) == pytest.approx(1.5 * p.bare_step_time(s) + 0.001)
     assert p.served.request_latency_s == 0.004
     assert profile_from_dict(LINEAR).step_time(s) == profile_from_dict(LINEAR).bare_step_time(s)
+    assert p.served.neighbour_scale == 0.0
+    assert profile_from_dict({**LINEAR, "served": {"neighbour_scale": 0.75}}).served.neighbour_scale == 0.75
     for field, value, named in (("step_scale", 0, "served.step_scale: must be a number > 0"),
                                 ("request_latency_s", -1, "served.request_latency_s: must be a number >= 0"),
+                                ("neighbour_scale", -0.1, "served.neighbour_scale: must be a number >= 0"),
                                 ("step_offset_s", 1, "served.step_offset_s: unknown field")):
         with pytest.raises(ProfileError, match=re.escape(named)):
             profile_from_dict({**LINEAR, "served": {field: value}})
@@ -150,6 +153,35 @@ def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
     bare = [(StepShape("FULL", r, r, r, r * 65, r * 65), 0.0) for r in (1, 4)] + \
         [(StepShape("PIECEWISE", c, c, 1, c, c), 0.0) for c in (64, 200)]
     rule = lambda s: 1.4 * bare_p.bare_step_time(s) + 0.0007  # noqa: E731
+    served, report = fit_served(synthetic_batches(rule), bare, bare_p.bare_step_time)
+    assert served["step_scale"] == pytest.approx(1.4, rel=0.02)
+    assert served["step_overhead_s"] == pytest.approx(0.0007, rel=0.05)
+    assert served["request_latency_s"] == pytest.approx(0.005, rel=0.02)
+    assert report["first_chunks"] == 2 and report["median_rel_error"] < 0.01
+    assert "neighbour_scale" not in served
+
+
+@pytest.mark.parametrize("neighbours", [1, 2])
+def test_fit_served_reads_the_slowdown_beside_busy_neighbours(neighbours):
+    """The same synthetic batches run 1.6x slower beside `neighbours` busy servers: neighbour_scale is the ratio
+    less 1, per neighbour; the lone fit is unchanged by them."""
+    bare_p = profile_from_dict(LINEAR)
+    bare = [(StepShape("FULL", r, r, r, r * 65, r * 65), 0.0) for r in (1, 4)] + \
+        [(StepShape("PIECEWISE", c, c, 1, c, c), 0.0) for c in (64, 200)]
+    rule = lambda s: 1.4 * bare_p.bare_step_time(s) + 0.0007  # noqa: E731
+    lone = synthetic_batches(rule)
+    served, report = fit_served(lone, bare, bare_p.bare_step_time, synthetic_batches(lambda s: 1.6 * rule(s)),
+                                neighbours)
+    assert served["neighbour_scale"] == pytest.approx(0.6 / neighbours, rel=0.02)
+    assert report["neighbour_runs"] == 4 and report["neighbours"] == neighbours
+    assert served["step_scale"] == pytest.approx(1.4, rel=0.02)
+    assert fit_served(lone, bare, bare_p.bare_step_time, synthetic_batches(lambda s: 0.9 * rule(s)))[0][
+        "neighbour_scale"] == 0.0  # faster beside a neighbour (noise): no slowdown, never a speed-up
+
+
+def synthetic_batches(rule) -> list:
+    """Served batches whose steps follow `rule` (a served step's time by shape), 5 ms outside the steps, the
+    requests of a batch prefilled apart, then in lockstep, with one burst per stream."""
     batches = []
     for r in (1, 4):
         for c in (64, 200):
@@ -164,21 +196,20 @@ def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
                 times[5:8] = [times[8]] * 3  # a burst: tokens 5-7 reach the client with token 8
                 streams.append(times)
             batches.append((r, c, 0.0, streams))
-    served, report = fit_served(batches, bare, bare_p.bare_step_time)
-    assert served["step_scale"] == pytest.approx(1.4, rel=0.02)
-    assert served["step_overhead_s"] == pytest.approx(0.0007, rel=0.05)
-    assert served["request_latency_s"] == pytest.approx(0.005, rel=0.02)
-    assert report["first_chunks"] == 2 and report["median_rel_error"] < 0.01
+    return batches
 
 
 @pytest.mark.timeout(180)
 def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir):
     """`calibrate --served` end to end: a real `pdserve serve` started and stopped, its streams fitted into a
     `served` section that loads and says how many decode runs and lone first chunks it read."""
-    d = calibrate(qwen3_tiny_dir, rows=[1, 2], contexts=[8, 24], decode_steps=8, served=True)
+    d = calibrate(qwen3_tiny_dir, rows=[1, 2], contexts=[8, 24], decode_steps=8, served=True, neighbours=1)
     p = profile_from_dict(json.loads(json.dumps(d)))
     s, f = d["served"], d["fit"]["served"]
     assert s["step_scale"] > 0 and s["step_overhead_s"] >= 0 and s["request_latency_s"] >= 0
+    # the grid again beside a second server running it too: compared batch by batch with the lone runs
+    assert s["neighbour_scale"] >= 0 and 1 <= f["neighbour_runs"] <= 4 and f["neighbours"] == 1
+    assert p.served.neighbour_scale == s["neighbour_scale"]
     # the grid's 4 batches (the 2-row ones only when their requests reached the server close enough to decode
     # together), and both lone requests' first chunks
     assert 2 <= f["decode_runs"] <= 4 and f["first_chunks"] == 2
@@ -186,3 +217,5 @@ def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir):
     assert p.step_time(shape) == pytest.approx(s["step_scale"] * p.bare_step_time(shape) + s["step_overhead_s"])
     with pytest.raises(ValueError, match="--served needs 1 in --rows"):
         calibrate(qwen3_tiny_dir, rows=[2], contexts=[8], decode_steps=3, served=True)
+    with pytest.raises(ValueError, match="--served-neighbours needs --served"):
+        calibrate(qwen3_tiny_dir, rows=[1], contexts=[8], decode_steps=3, neighbours=1)

@@ -244,3 +244,32 @@ def test_the_routers_latency_is_paid_on_each_send_through_it(linear_profile, dep
 def test_a_router_latency_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"--router-latency-ms must be in \[0, 1000\]"):
         TransferModel(1e9, 0.0, router_latency_s=2.0)
+
+
+def test_nodes_sharing_a_host_slow_each_others_steps_while_both_are_busy():
+    """--shared-host: a step that starts while the other node is mid-step takes (1 + neighbour_scale) x as long. Two
+    requests at once on a collocated pair: once both decode, every step of each is 1.5x; a lone request (its
+    neighbour idle) and a neighbour_scale of 0 leave every time as it was; 1P1D is slowed too (P and D share it)."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    slow = profile_from_dict({**LINEAR, "served": {"neighbour_scale": 0.5}})
+    pair = [TraceRequest("r0", 0.0, 37, 20), TraceRequest("r1", 0.0, 37, 20)]
+    alone, shared = (simulate(pair, parse_deployment("collocated", 2), cfg(), slow, shared_host=s) for s in (False,
+                                                                                                            True))
+    assert shared["sim"]["shared_host"] and not alone["sim"]["shared_host"]
+    # node0's prefill started first (its neighbour idle), node1's beside it; then every step of both is 1.5x but
+    # node1's last, which starts after node0 is done
+    assert shared["ttfts"] == pytest.approx([alone["ttfts"][0], 1.5 * alone["ttfts"][1]])
+    for a, s in zip(alone["itls"], shared["itls"]):
+        assert s[:-1] == pytest.approx([1.5 * g for g in a[:-1]])
+    assert shared["itls"][1][-1] == pytest.approx(alone["itls"][1][-1])
+    lone = [TraceRequest("r0", 0.0, 37, 20)]
+    assert simulate(lone, parse_deployment("collocated", 2), cfg(), slow, shared_host=True)["itls"] == \
+        simulate(lone, parse_deployment("collocated", 2), cfg(), slow)["itls"]
+    unscaled = profile_from_dict(LINEAR)
+    assert simulate(pair, parse_deployment("collocated", 2), cfg(), unscaled, shared_host=True)["itls"] == \
+        simulate(pair, parse_deployment("collocated", 2), cfg(), unscaled)["itls"]
+    trace = random_trace(20, 60, 12, request_rate=40.0, seed=5)
+    pd = [simulate(trace, parse_deployment("1p1d"), cfg(), slow, transfer=FAST, shared_host=s)
+          for s in (False, True)]
+    assert pd[1]["mean_tpot_ms"] > pd[0]["mean_tpot_ms"] and pd[1]["completed"] == 20

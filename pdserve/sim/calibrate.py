@@ -15,7 +15,8 @@ batch's requests sent together. Once every request of a batch streams, its steps
 gap over that run (its chunks may reach the client in bursts; the run's length may not) is a served decode step of
 known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' runs against the bare profile's
 prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
-prefill step, is what a request spends outside the steps: `request_latency_s` is the median.
+prefill step, is what a request spends outside the steps: `request_latency_s` is the median. The served grid runs
+`--served-repeats` times (3): each batch's decode run is its median over them.
 `--served-neighbours N` starts N more such servers and runs the grid again on all of them at once: each batch's
 decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio less 1, per neighbour),
 what `pdserve sim --shared-host` applies to a step per other node mid-step on the same machine.
@@ -173,7 +174,8 @@ Batches = list[tuple[int, int, float, list[list[float]]]]  # (rows, context, sen
 
 
 def measure_served(model: str, rows: list[int], contexts: list[int], decode_steps: int, vocab: int,
-                   progress: Optional[Callable[[str], None]] = None, neighbours: int = 0) -> tuple[Batches, Batches]:
+                   progress: Optional[Callable[[str], None]] = None, neighbours: int = 0,
+                   repeats: int = 1) -> tuple[Batches, Batches]:
     """The grid's batches through a real `pdserve serve` of `model` (started here, stopped at the end) with the
     engine settings `measure` used; OMP_NUM_THREADS as this process has it. With `neighbours`, that many more such
     servers start, and the grid runs again on all of them at once: (the lone server's batches, its batches beside
@@ -187,7 +189,9 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
     try:
         urls = [dep.spawn(f"server{i}", args, free_port(), env) for i in range(1 + neighbours)]
         dep.wait_healthy(300)
-        grid = [(1, min(contexts))] + [(r, c) for r in rows for c in contexts]  # the first: a warm-up, not kept
+        # the first: a warm-up, not kept; then the grid `repeats` times (each batch's runs and each lone request's
+        # first chunk are medians over them: one run of a batch moves by 20% and more on busy cores)
+        grid = [(1, min(contexts))] + [(r, c) for _ in range(repeats) for r in rows for c in contexts]
         name = Path(model).name
         lone = asyncio.run(_batches(urls[0], name, grid, decode_steps, vocab, progress))[1:]
         if not neighbours:
@@ -241,7 +245,8 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
     the first chunk)]) of the served batches (fit_served's docstring)."""
     decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
     prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
-    gaps, firsts = {}, []
+    runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
+    firsts = []
     for r, c, t0, streams in batches:
         if r not in decode_shape or any(len(t) < 2 for t in streams):
             continue
@@ -259,16 +264,18 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
             k1 = statistics.median(b for _, b, _ in spans)
             ctx = round(r * (c + (k0 + 1 + k1) / 2))  # the run's steps made tokens k0 + 1 .. k1: their mean context
             s = decode_shape[r]
-            gaps[(r, c)] = (StepShape(s.mode, r, s.padded_tokens, r, ctx, ctx),
-                            statistics.median(g for _, _, g in spans))
+            runs.setdefault((r, c), []).append((StepShape(s.mode, r, s.padded_tokens, r, ctx, ctx),
+                                                statistics.median(g for _, _, g in spans)))
         if r == 1 and c in prefill_shape:
             firsts.append((prefill_shape[c], streams[0][0] - t0))
+    # a batch run more than once: its median run (an odd count's middle one, an even count's upper middle)
+    gaps = {k: sorted(v, key=lambda x: x[1])[len(v) // 2] for k, v in runs.items()}
     return gaps, firsts
 
 
 def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: int, name: Optional[str] = None,
               engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None,
-              served: bool = False, neighbours: int = 0) -> dict:
+              served: bool = False, neighbours: int = 0, served_repeats: int = 3) -> dict:
     """The linear profile of `model` on this machine, as a JSON-ready dict (checked by profile_from_dict); with
     `served`, its `served` section from a real server too (the module's docstring), and with `neighbours` its
     neighbour_scale from that many more servers running the grid beside it."""
@@ -276,6 +283,8 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
         raise ValueError("--rows and --context-lens need positive integers, --decode-steps >= 2")
     if neighbours and not served:
         raise ValueError("--served-neighbours needs --served")
+    if not 1 <= served_repeats <= 20:
+        raise ValueError(f"--served-repeats must be in [1, 20], got {served_repeats}")
     if not 0 <= neighbours <= 8:
         raise ValueError(f"--served-neighbours must be in [0, 8], got {neighbours}")
     if served and 1 not in rows:
@@ -296,7 +305,7 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
     bare = profile_from_dict(d)  # what we write must load
     if served:
         batches, beside = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"], progress,
-                                         neighbours)
+                                         neighbours, served_repeats)
         d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time, beside, neighbours)
         profile_from_dict(d)
     return d

@@ -268,6 +268,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                         "process's OMP_NUM_THREADS) and fit what serving adds: served decode steps as scale x the "
                         "bare step + overhead, and each request's latency outside the steps (the profile's `served` "
                         "section; needs 1 in --rows).")
+    p.add_argument("--served-repeats", type=int, default=3, metavar="R",
+                   help="With --served: run the served grid R times; each batch's decode run and each lone "
+                        "request's first chunk are fitted as the median over them (default: 3).")
     p.add_argument("--served-neighbours", type=int, default=0, metavar="N",
                    help="With --served: start N more servers and run the grid on all of them at once, fitting how "
                         "much longer a step takes per busy neighbour on this machine's cores (served."
@@ -291,7 +294,7 @@ def run_calibrate(args) -> int:
     rows, contexts = _ints("--rows", args.rows), _ints("--context-lens", args.context_lens)
     d = calibrate(args.model, rows, contexts, args.decode_steps, args.name,
                   progress=lambda msg: print(f"[calibrate] {msg}", flush=True), served=args.served,
-                  neighbours=args.served_neighbours)
+                  neighbours=args.served_neighbours, served_repeats=args.served_repeats)
     try:
         Path(args.out).write_text(json.dumps(d, indent=1) + "\n")
     except OSError as e:

@@ -17,9 +17,9 @@ known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' r
 prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
 prefill step, is what a request spends outside the steps: `request_latency_s` is the median. The served grid runs
 `--served-repeats` times (3): each batch's decode run is its median over them.
-`--served-neighbours N` starts N more such servers and runs the grid again on all of them at once: each batch's
-decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio less 1, per neighbour),
-what `pdserve sim --shared-host` applies to a step per other node mid-step on the same machine.
+`--served-neighbours N` starts N more such servers and runs the grid again while each of them decodes batches back
+to back: each batch's decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio
+less 1, per neighbour), what `pdserve sim --shared-host` applies to a step per other node mid-step on the machine.
 """
 from __future__ import annotations
 
@@ -173,6 +173,32 @@ async def _batches(url: str, model_name: str, grid: list[tuple[int, int]], decod
 Batches = list[tuple[int, int, float, list[list[float]]]]  # (rows, context, send time, each stream's chunk times)
 
 
+async def _beside(url: str, neighbours: list[str], model_name: str, grid: list[tuple[int, int]], decode_steps: int,
+                  vocab: int, busy_rows: int, busy_context: int, progress: Optional[Callable[[str], None]]) -> Batches:
+    """The grid's batches on `url` while every neighbour decodes batches of `busy_rows` back to back, busy from
+    before the first batch to after the last: the slowdown read is a neighbour's that is busy throughout (the
+    simulator applies it per neighbour mid-step). The neighbours running the grid too would overlap it only in
+    part, and by chance: their ratios spread 0.9-1.5 where these hold."""
+    import aiohttp
+    stop = asyncio.Event()
+
+    async def keep_busy(neighbour: str) -> None:
+        busy = [TraceRequest(f"busy-{i}", 0.0, busy_context, 4 * decode_steps) for i in range(busy_rows)]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            while not stop.is_set():
+                await asyncio.gather(*(_stream(session, neighbour, {
+                    "model": model_name, "prompt": prompt_token_ids(tr, vocab, seed=3), "max_tokens": tr.output_len,
+                    "ignore_eos": True, "temperature": 0, "stream": True}) for tr in busy))
+
+    tasks = [asyncio.ensure_future(keep_busy(n)) for n in neighbours]
+    try:
+        await asyncio.sleep(0.5)  # the neighbours' first batches past their prefills
+        return await _batches(url, model_name, grid, decode_steps, vocab, progress)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def measure_served(model: str, rows: list[int], contexts: list[int], decode_steps: int, vocab: int,
                    progress: Optional[Callable[[str], None]] = None, neighbours: int = 0,
                    repeats: int = 1) -> tuple[Batches, Batches]:
@@ -197,10 +223,9 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
         if not neighbours:
             return lone, []
 
-        async def together():  # each server its own client, the same grid, started at once
-            return await asyncio.gather(*(_batches(u, name, grid, decode_steps, vocab, progress if i == 0 else None)
-                                          for i, u in enumerate(urls)))
-        return lone, asyncio.run(together())[0][1:]
+        busy_rows = sorted(rows)[len(rows) // 2]
+        return lone, asyncio.run(_beside(urls[0], urls[1:], name, grid, decode_steps, vocab, busy_rows,
+                                         min(contexts), progress))[1:]
     finally:
         dep.stop()
 

@@ -17,6 +17,8 @@ known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' r
 prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
 prefill step, is what a request spends outside the steps: `request_latency_s` is the median. The served grid runs
 `--served-repeats` times (3): each batch's decode run is its median over them.
+How late each chunk of a decode run reaches the client against the run's steady pace (from the stream's least late
+chunk) gives `chunk_delay_quantiles_s`, the host's stalls as the client sees them.
 `--served-neighbours N` starts N more such servers and runs the grid again while each of them decodes batches back
 to back: each batch's decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio
 less 1, per neighbour), what `pdserve sim --shared-host` applies to a step per other node mid-step on the machine.
@@ -236,7 +238,7 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     with the same engine settings (a batch's decode and prefill step shapes are read from them), `predict`: the
     bare profile; `beside`: the same batches run beside `neighbours` other servers running theirs, which fits
     `neighbour_scale`."""
-    gaps, firsts = _decode_runs(batches, bare)
+    gaps, firsts, delays = _decode_runs(batches, bare)
     if len(gaps) < 2:
         raise ValueError("the served batches gave too few decode runs to fit: widen the grid (--rows, "
                          "--context-lens, --decode-steps)")
@@ -249,12 +251,15 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
     lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
     served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
+    # how late chunks reach the client past the steady pace of their run (the host's stalls; p99 ITL's tail): 21
+    # quantiles, 0 to 100%
+    served["chunk_delay_quantiles_s"] = [float(x) for x in np.quantile(delays, np.linspace(0, 1, 21))]
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
-              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts)}
+              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts), "chunks": len(delays)}
     if beside:
         # the same batches' decode runs with `neighbours` other servers running theirs: how much longer a step
         # takes per busy neighbour (they overlap most of each run, not all of it: a floor, not a ceiling)
-        paired, _ = _decode_runs(beside, bare)
+        paired, _, _ = _decode_runs(beside, bare)
         ratios = [paired[k][1] / gaps[k][1] for k in paired if k in gaps]
         if not ratios:
             raise ValueError("the batches beside a neighbour gave no decode run to compare: widen the grid")
@@ -265,13 +270,15 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
 
 
 def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
-                 ) -> tuple[dict[tuple[int, int], tuple[StepShape, float]], list[tuple[StepShape, float]]]:
+                 ) -> tuple[dict[tuple[int, int], tuple[StepShape, float]], list[tuple[StepShape, float]],
+                            list[float]]:
     """({(rows, context): (the decode run's step shape, its mean gap)}, [(a lone request's prefill shape, its time to
-    the first chunk)]) of the served batches (fit_served's docstring)."""
+    the first chunk)], every decode-run chunk's lateness in seconds) of the served batches (fit_served's
+    docstring)."""
     decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
     prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
     runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
-    firsts = []
+    firsts, delays = [], []
     for r, c, t0, streams in batches:
         if r not in decode_shape or any(len(t) < 2 for t in streams):
             continue
@@ -283,7 +290,11 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
         for t in streams:
             k0 = next((k for k, x in enumerate(t) if x >= all_in), len(t))
             if len(t) - 1 - k0 >= 2:
-                spans.append((k0, len(t) - 1, (t[-1] - t[k0]) / (len(t) - 1 - k0)))
+                g = (t[-1] - t[k0]) / (len(t) - 1 - k0)
+                spans.append((k0, len(t) - 1, g))
+                # each chunk's lateness against the run's steady pace, from the stream's least late chunk
+                late = [x - k * g for k, x in enumerate(t[k0:])]
+                delays.extend(x - min(late) for x in late)
         if len(spans) == r:
             k0 = statistics.median(a for a, _, _ in spans)
             k1 = statistics.median(b for _, b, _ in spans)
@@ -295,7 +306,7 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
             firsts.append((prefill_shape[c], streams[0][0] - t0))
     # a batch run more than once: its median run (an odd count's middle one, an even count's upper middle)
     gaps = {k: sorted(v, key=lambda x: x[1])[len(v) // 2] for k, v in runs.items()}
-    return gaps, firsts
+    return gaps, firsts, delays
 
 
 def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: int, name: Optional[str] = None,

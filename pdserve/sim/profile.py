@@ -19,7 +19,9 @@ engine loop's wire and records, and on shared cores the server's own work beside
 the time a request spends outside the node's steps on each node it visits (HTTP in and out, the request's
 translation, the wire to the engine and back), which the simulator adds where the request reaches a node, and
 `neighbour_scale` (`--served-neighbours`): on nodes sharing one machine's cores (`pdserve sim --shared-host`), a step
-takes (1 + neighbour_scale x k) times as long when k other nodes are mid-step as it starts.
+takes (1 + neighbour_scale x k) times as long when k other nodes are mid-step as it starts, and
+`chunk_delay_quantiles_s`: how late a streamed chunk reaches the client past its step's end (the host's stalls), as
+quantiles at evenly spaced probabilities, drawn per chunk by the simulated client (chunks stay in order).
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
@@ -56,19 +58,39 @@ class Served:
     step_overhead_s: float = 0.0
     request_latency_s: float = 0.0
     neighbour_scale: float = 0.0  # per other node mid-step on the same host (--shared-host)
+    # how late a streamed chunk reaches the client past its step's end, at evenly spaced probabilities 0..1 (the
+    # host's stalls: a process waiting for a core); () none
+    chunk_delay_quantiles_s: tuple = ()
 
     def step(self, bare_s: float) -> float:
         return self.step_scale * bare_s + self.step_overhead_s
+
+    def chunk_delay(self, u: float) -> float:
+        """The delay at probability `u` in [0, 1): the quantiles' inverse CDF, linear between them."""
+        q = self.chunk_delay_quantiles_s
+        if not q:
+            return 0.0
+        x = u * (len(q) - 1)
+        i = min(int(x), len(q) - 2)
+        return q[i] + (x - i) * (q[i + 1] - q[i])
 
     @classmethod
     def from_dict(cls, d: dict) -> "Served":
         if "served" not in d:
             return cls()
         sec = _section(d, "served")
-        _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale"), "served.")
+        _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale",
+                    "chunk_delay_quantiles_s"), "served.")
+        q = sec.get("chunk_delay_quantiles_s", [])
+        where = "served.chunk_delay_quantiles_s"
+        if not isinstance(q, list) or len(q) == 1 or len(q) > 101:
+            raise ProfileError(f"{where}: must be a list of 2 to 101 numbers, got {q!r}"[:160])
+        delays = tuple(_number({"": v}, "", f"{where}[{i}]") for i, v in enumerate(q))
+        if any(b < a for a, b in zip(delays, delays[1:])):
+            raise ProfileError(f"{where}: must not decrease (quantiles at evenly spaced probabilities)")
         return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
                    *(_number(sec, k, "served.") if k in sec else 0.0
-                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")))
+                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")), delays)
 
 
 def _number(d: dict, key: str, where: str, positive: bool = False) -> float:

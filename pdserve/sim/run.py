@@ -90,7 +90,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
     pool_hop = transfer.router_latency_s if transfer is not None and not dep.num_prefill and dep.num_decode > 1 \
         else 0.0  # several collocated nodes are behind the router; a lone one is served directly
     sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=not (step_by_step or shared_host),
-                    pool_router_latency_s=pool_hop)
+                    pool_router_latency_s=pool_hop, delay_seed=seed)
     t0 = time.perf_counter()
     results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
     wall = time.perf_counter() - t0

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -83,11 +84,16 @@ class ClientView:
         out["first_token"] = first - self.d_scheduled
         return out
 
-    def result(self) -> RequestResult:
+    def result(self, delay: Optional[Callable[[], float]] = None) -> RequestResult:
+        """As the client reads it: each chunk `delay()` late past its step's end (the host's stalls), never before
+        the chunk ahead of it (one stream: a late chunk holds back those behind it, which then arrive together)."""
         t0 = self.trace.arrival_time
         if self.error or self.finished is None or not self.chunks:
             return RequestResult(False, self.trace.prompt_len, 0, error=self.error or "not finished", start=t0)
         times = [t for t, _ in self.chunks]
+        if delay is not None:
+            for k in range(len(times)):
+                times[k] = max(times[k - 1] if k else t0, times[k] + delay())
         return RequestResult(True, self.trace.prompt_len, sum(n for _, n in self.chunks), times[0] - t0,
                              [b - a for a, b in zip(times, times[1:])], times[-1] - t0, start=t0)
 
@@ -95,7 +101,8 @@ class ClientView:
 class Simulator:
     def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
                  fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None,
-                 pd_first_token: str = "replay", leap: bool = True, pool_router_latency_s: float = 0.0):
+                 pd_first_token: str = "replay", leap: bool = True, pool_router_latency_s: float = 0.0,
+                 delay_seed: int = 0):
         """`prefill` empty: a collocated deployment of the `decode` nodes, behind the router when there are several
         (`pool_router_latency_s`: what it adds per send there; xPyD takes the fabric's). `pd_first_token`: the router's
         --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first).
@@ -116,6 +123,7 @@ class Simulator:
         self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
         self.p_names = {n.name for n in prefill}
         self.leap = leap
+        self.delay_seed = delay_seed  # the client's chunk delays (the profile's served.chunk_delay_quantiles_s)
         # what a send to a node of each pool takes before the node has the request: its profile's
         # served.request_latency_s (HTTP in and out, the request's translation, the wire to the engine) and, xPyD,
         # the router's own hop (a collocated pool of several nodes is behind one too: `pdserve router --decode A B`)
@@ -161,7 +169,14 @@ class Simulator:
                 self._submit(pool, view, t, output_len, params)
         assert all(n.leap is None for n in self.by_name.values()), "a leap's end is always woken"
         end = max((v.finished or v.trace.arrival_time for v in views), default=0.0)
-        return [v.result() for v in views], end
+        served = self.decode_nodes[0].profile.served if self.decode_nodes else None
+        if served is None or not served.chunk_delay_quantiles_s:
+            return [v.result() for v in views], end
+        results = []
+        for v in views:  # each request's own seeded stream of delays: the same however the events interleaved
+            rng = random.Random(f"{self.delay_seed}:{v.trace.request_id}")
+            results.append(v.result(lambda: served.chunk_delay(rng.random())))
+        return results, max([end] + [r.start + r.latency for r in results if r.success])
 
     def ttft_split_ms(self) -> Optional[dict]:
         """Mean milliseconds per TTFT stage over the requests that passed it, as bench serve reports a router's;

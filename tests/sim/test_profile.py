@@ -135,11 +135,17 @@ def test_a_served_section_scales_the_step_and_is_checked_by_name():
     assert p.step_time(s) == pytest.approx(1.5 * p.bare_step_time(s) + 0.001)
     assert p.served.request_latency_s == 0.004
     assert profile_from_dict(LINEAR).step_time(s) == profile_from_dict(LINEAR).bare_step_time(s)
-    assert p.served.neighbour_scale == 0.0
+    assert p.served.neighbour_scale == 0.0 and p.served.chunk_delay(0.99) == 0.0
+    late = profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0, 0.001, 0.011]}}).served
+    assert [late.chunk_delay(u) for u in (0.0, 0.25, 0.5, 0.75)] == pytest.approx([0, 0.0005, 0.001, 0.006])
     assert profile_from_dict({**LINEAR, "served": {"neighbour_scale": 0.75}}).served.neighbour_scale == 0.75
     for field, value, named in (("step_scale", 0, "served.step_scale: must be a number > 0"),
                                 ("request_latency_s", -1, "served.request_latency_s: must be a number >= 0"),
                                 ("neighbour_scale", -0.1, "served.neighbour_scale: must be a number >= 0"),
+                                ("chunk_delay_quantiles_s", [0.002, 0.001], "must not decrease"),
+                                ("chunk_delay_quantiles_s", [0, -1], "served.chunk_delay_quantiles_s[1]: must be a "
+                                                                    "number >= 0"),
+                                ("chunk_delay_quantiles_s", [0.001], "must be a list of 2 to 101 numbers"),
                                 ("step_offset_s", 1, "served.step_offset_s: unknown field")):
         with pytest.raises(ProfileError, match=re.escape(named)):
             profile_from_dict({**LINEAR, "served": {field: value}})
@@ -159,6 +165,10 @@ def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
     assert served["request_latency_s"] == pytest.approx(0.005, rel=0.02)
     assert report["first_chunks"] == 2 and report["median_rel_error"] < 0.01
     assert "neighbour_scale" not in served
+    # the burst: tokens 5-7 of each stream late by up to three steps, the rest on pace (microseconds off it: the
+    # steps grow with the context)
+    q = served["chunk_delay_quantiles_s"]
+    assert len(q) == 21 and q[0] == 0.0 and q == sorted(q) and q[-1] > 0.002 and q[10] < 1e-4
     # the grid run three times (--served-repeats), one of them on a stalled machine: each batch's median run
     repeated = synthetic_batches(rule) + synthetic_batches(lambda s: 3 * rule(s)) + synthetic_batches(rule)
     again, report = fit_served(repeated, bare, bare_p.bare_step_time)

@@ -273,3 +273,23 @@ def test_nodes_sharing_a_host_slow_each_others_steps_while_both_are_busy():
     pd = [simulate(trace, parse_deployment("1p1d"), cfg(), slow, transfer=FAST, shared_host=s)
           for s in (False, True)]
     assert pd[1]["mean_tpot_ms"] > pd[0]["mean_tpot_ms"] and pd[1]["completed"] == 20
+
+
+def test_the_clients_chunk_delays_stretch_the_itl_tail_not_the_steps():
+    """served.chunk_delay_quantiles_s: each chunk reaches the simulated client up to that late, in order (no gap
+    below 0), drawn per request from the run's seed (the same twice, leaping or step by step); the steps, the
+    graph counts and every request's token count are those of the run without delays, p99 ITL grows, TPOT
+    barely moves."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    late = profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0.0] * 19 + [0.004, 0.02]}})
+    trace = random_trace(40, 60, 24, request_rate=30.0, seed=4)
+    plain = simulate(trace, parse_deployment("collocated"), cfg(), profile_from_dict(LINEAR))
+    runs = [simulate(trace, parse_deployment("collocated"), cfg(), late, step_by_step=sbs) for sbs in (False, True,
+                                                                                                       False)]
+    assert runs[0]["itls"] == runs[1]["itls"] == runs[2]["itls"] and runs[0]["ttfts"] == runs[1]["ttfts"]
+    r = runs[0]
+    assert r["graph"] == plain["graph"] and r["output_lens"] == plain["output_lens"]
+    assert all(g >= 0 for itl in r["itls"] for g in itl)
+    assert r["itl_ms"]["p99"] > plain["itl_ms"]["p99"] + 2.0
+    assert abs(r["tpot_ms"]["median"] - plain["tpot_ms"]["median"]) < 0.25 * plain["tpot_ms"]["median"]

@@ -140,7 +140,7 @@ def test_router_takes_a_node_behind_a_path_prefix():
 
     from pdserve.router.cli import check_router_args
     check_router_args(SimpleNamespace(host="127.0.0.1", port=8000, health_interval=2.0, max_body_bytes=1,
-                                      max_migrations=0,
+                                      max_migrations=0, pd_first_token="replay",
                                       prefill=["http://gw:80/node1/", "http://[::1]:8100"],
                                       decode=["https://gw/pool/d1"]))
 

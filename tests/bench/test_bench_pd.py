@@ -37,7 +37,8 @@ def start_bench(tmp_path, marker, *args):
 
 def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     marker = uuid.uuid4().hex
-    proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--rates", "4,16", "--num-prompts", "6",
+    proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms",
+                       "collocated,strict,default,first-token,collocated-x2", "--rates", "4,16", "--num-prompts", "6",
                        "--random-input-len", "48", "--random-output-len", "12", "--server-args",
                        "--max-model-len 256 --kv-cache-memory-gb 0.05")
     out, _ = proc.communicate(timeout=240)
@@ -45,7 +46,8 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     assert not marked_pids(marker), "bench pd left processes behind"
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
     assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default",
-                                                                                "first-token") for q in (4.0, 16.0)}
+                                                                      "first-token", "collocated-x2")
+                                                       for q in (4.0, 16.0)}
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in rows)
     for r in rows:
         if r["arm"] == "strict":
@@ -57,37 +59,23 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
         if r["arm"] == "first-token":  # the first token is P's: the transfer and D are not in the TTFT
             assert {"prefill", "first_token_from_prefill", "total"} <= set(r["router_ttft_split_ms"]), r
             assert "kv_transfer" not in r["router_ttft_split_ms"], r
+    # collocated-x2: two collocated servers behind the router (no prefill nodes), taking the requests in turn
+    # (2 warm-up + 2 x 6: 7 each), both scraped for the graph counters
+    for i in (0, 1):
+        log = (tmp_path / "logs" / f"collocated-x2-server{i}.log").read_text()
+        assert log.count("POST /v1/completions") == 7, log[-2000:]
+    pool = [r for r in rows if r["arm"] == "collocated-x2"]
+    assert all(r["full_steps"] > 0 and r["non_full_reasons"].get("prefill", 0) > 0 for r in pool), pool
     table = (tmp_path / "table.txt").read_text()
     assert table in out and "device=cpu" in table
     data_lines = [line for line in table.splitlines() if line.startswith("48/12")]
-    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token"):
+    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token", "collocated-x2"):
         assert sum(f" {label} " in line for line in data_lines) == 2, table
     assert (tmp_path / "bench_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --ignore-eos: the router and a single server count the same tokens for every request
     lens = {a: json.loads((tmp_path / f"{a}_rate4.json").read_text())["output_lens"]
-            for a in ("collocated", "strict", "default")}
-    assert lens["collocated"] == lens["strict"] == lens["default"] == [12] * 6
-
-
-def test_a_collocated_pool_behind_the_router(qwen3_tiny, tmp_path):
-    """`collocated-x2`: two collocated servers behind pdserve's router (no prefill nodes), each serving requests whole
-    in turn, both scraped for the graph counters; the same token counts as one collocated server."""
-    marker = uuid.uuid4().hex
-    proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms", "collocated,collocated-x2", "--rates", "8",
-                       "--num-prompts", "6", "--random-input-len", "17", "--random-output-len", "5", "--warmup", "0")
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-5000:]
-    assert not marked_pids(marker), "bench pd left processes behind"
-    rows = {r["arm"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
-    assert rows["collocated-x2"]["completed"] == 6 and rows["collocated-x2"]["failed"] == 0
-    assert rows["collocated-x2"]["full_steps"] > 0 and rows["collocated-x2"]["non_full_reasons"].get("prefill", 0) > 0
-    for i in (0, 1):  # round-robin: each server took three of the six
-        log = (tmp_path / "logs" / f"collocated-x2-server{i}.log").read_text()
-        assert log.count("POST /v1/completions") == 3, log[-2000:]
-    lens = {a: json.loads((tmp_path / f"{a}_rate8.json").read_text())["output_lens"]
-            for a in ("collocated", "collocated-x2")}
-    assert lens["collocated"] == lens["collocated-x2"] == [5] * 6
-    assert " collocated-x2 " in (tmp_path / "table.txt").read_text()
+            for a in ("collocated", "strict", "default", "collocated-x2")}
+    assert lens["collocated"] == lens["strict"] == lens["default"] == lens["collocated-x2"] == [12] * 6
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])

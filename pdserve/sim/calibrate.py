@@ -17,8 +17,8 @@ known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' r
 prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
 prefill step, is what a request spends outside the steps: `request_latency_s` is the median. The served grid runs
 `--served-repeats` times (3): each batch's decode run is its median over them.
-How late each chunk of a decode run reaches the client against the run's steady pace (from the stream's least late
-chunk) gives `chunk_delay_quantiles_s`, the host's stalls as the client sees them.
+How late each chunk of a decode run reaches the client against the run's steady pace, past the stream's median
+chunk, gives `chunk_delay_quantiles_s`, the host's stalls as the client sees them.
 `--served-neighbours N` starts N more such servers and runs the grid again while each of them decodes batches back
 to back: each batch's decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio
 less 1, per neighbour), what `pdserve sim --shared-host` applies to a step per other node mid-step on the machine.
@@ -292,9 +292,11 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
             if len(t) - 1 - k0 >= 2:
                 g = (t[-1] - t[k0]) / (len(t) - 1 - k0)
                 spans.append((k0, len(t) - 1, g))
-                # each chunk's lateness against the run's steady pace, from the stream's least late chunk
+                # each chunk's lateness against the run's steady pace, past the stream's typical (median) chunk:
+                # the steps already hold the typical gap, so only what comes later than that is a stall
                 late = [x - k * g for k, x in enumerate(t[k0:])]
-                delays.extend(x - min(late) for x in late)
+                typical = statistics.median(late)
+                delays.extend(max(0.0, x - typical) for x in late)
         if len(spans) == r:
             k0 = statistics.median(a for a, _, _ in spans)
             k1 = statistics.median(b for _, b, _ in spans)

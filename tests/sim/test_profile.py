@@ -236,3 +236,15 @@ def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir):
         calibrate(qwen3_tiny_dir, rows=[2], contexts=[8], decode_steps=3, served=True)
     with pytest.raises(ValueError, match="--served-neighbours needs --served"):
         calibrate(qwen3_tiny_dir, rows=[1], contexts=[8], decode_steps=3, neighbours=1)
+
+
+def test_chunk_delays_count_only_what_is_later_than_a_streams_typical_chunk():
+    """A stream on a steady pace with +-0.5 ms of jitter and one chunk 8 ms late: no chunk but that one is late
+    (the typical chunk is the jitter's later half: the steps hold the typical gap), and it by 7 ms past it (counted
+    from the least late chunk, half the chunks would be 1 ms late)."""
+    from pdserve.sim.calibrate import _decode_runs
+    bare = [(StepShape("FULL", 1, 1, 1, 65, 65), 0.0)]
+    times = [0.01 + 0.004 * k + (0.0005 if k % 2 else -0.0005) for k in range(21)]
+    times[10] += 0.008
+    _, _, delays = _decode_runs([(1, 64, 0.0, [times])], bare)
+    assert len(delays) == 21 and sorted(delays)[-2] < 1e-12 and max(delays) == pytest.approx(0.007)

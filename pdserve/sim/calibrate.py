@@ -206,8 +206,8 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
                    repeats: int = 1) -> tuple[Batches, Batches]:
     """The grid's batches through a real `pdserve serve` of `model` (started here, stopped at the end) with the
     engine settings `measure` used; OMP_NUM_THREADS as this process has it. With `neighbours`, that many more such
-    servers start, and the grid runs again on all of them at once: (the lone server's batches, its batches beside
-    the neighbours; [] without)."""
+    servers start, and the grid runs again while they decode back to back (`_beside`): (the lone server's batches,
+    its batches beside the neighbours; [] without)."""
     from pdserve.bench.launcher import Deployment, free_port
     args = ["serve", model, "--log-level", "warning", "--max-model-len", str(max(contexts) + decode_steps + 1),
             "--max-num-seqs", str(max(rows)), "--max-num-batched-tokens", str(max(8, max(rows) * max(contexts))),
@@ -236,7 +236,7 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
                beside: Optional[Batches] = None, neighbours: int = 1) -> tuple[dict, dict]:
     """(the profile's `served` section, its fit report) from the served batches; `bare`: the bare steps measured
     with the same engine settings (a batch's decode and prefill step shapes are read from them), `predict`: the
-    bare profile; `beside`: the same batches run beside `neighbours` other servers running theirs, which fits
+    bare profile; `beside`: the same batches run beside `neighbours` other servers decoding back to back, which fits
     `neighbour_scale`."""
     gaps, firsts, delays = _decode_runs(batches, bare)
     if len(gaps) < 2:
@@ -257,8 +257,8 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
               "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts), "chunks": len(delays)}
     if beside:
-        # the same batches' decode runs with `neighbours` other servers running theirs: how much longer a step
-        # takes per busy neighbour (they overlap most of each run, not all of it: a floor, not a ceiling)
+        # the same batches' decode runs with `neighbours` other servers busy throughout: how much longer a step
+        # takes per busy neighbour
         paired, _, _ = _decode_runs(beside, bare)
         ratios = [paired[k][1] / gaps[k][1] for k in paired if k in gaps]
         if not ratios:
@@ -316,7 +316,7 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
               served: bool = False, neighbours: int = 0, served_repeats: int = 3) -> dict:
     """The linear profile of `model` on this machine, as a JSON-ready dict (checked by profile_from_dict); with
     `served`, its `served` section from a real server too (the module's docstring), and with `neighbours` its
-    neighbour_scale from that many more servers running the grid beside it."""
+    neighbour_scale from that many more servers decoding beside it."""
     if not rows or min(rows) < 1 or not contexts or min(contexts) < 1 or decode_steps < 2:
         raise ValueError("--rows and --context-lens need positive integers, --decode-steps >= 2")
     if neighbours and not served:

@@ -41,6 +41,7 @@ from pdserve.sim.profile import MODES, StepShape, profile_from_dict
 from pdserve.sim.trace import TraceRequest, prompt_token_ids
 
 FEATURES = ("per_token_s", "per_row_s", "per_context_token_s")
+LONE_PROBES = 4  # lone requests per context after the served grid, for the request latency's median
 
 
 def _features(s: StepShape) -> list[float]:
@@ -220,6 +221,9 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
         # the first: a warm-up, not kept; then the grid `repeats` times (each batch's runs and each lone request's
         # first chunk are medians over them: one run of a batch moves by 20% and more on busy cores)
         grid = [(1, min(contexts))] + [(r, c) for _ in range(repeats) for r in rows for c in contexts]
+        # and LONE_PROBES more lone requests per context: a lone request's first chunk moves by 2-3x from one to the
+        # next at 2 threads here, and the request latency is their median
+        grid += [(1, c) for _ in range(LONE_PROBES) for c in contexts]
         name = Path(model).name
         lone = asyncio.run(_batches(urls[0], name, grid, decode_steps, vocab, progress))[1:]
         if not neighbours:

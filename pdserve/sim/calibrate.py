@@ -152,6 +152,12 @@ async def _stream(session, url: str, body: dict) -> list[float]:
     return times
 
 
+def _body(model_name: str, tr: TraceRequest, vocab: int, seed: int) -> dict:
+    """A greedy streamed completion of `tr`'s prompt to its output length."""
+    return {"model": model_name, "prompt": prompt_token_ids(tr, vocab, seed=seed), "max_tokens": tr.output_len,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+
+
 async def _batches(url: str, model_name: str, grid: list[tuple[int, int]], decode_steps: int, vocab: int,
                    progress: Optional[Callable[[str], None]]) -> list[tuple[int, int, float, list[list[float]]]]:
     """(rows, context, send time, each stream's chunk times) of every batch of the grid, one batch at a time."""
@@ -159,12 +165,9 @@ async def _batches(url: str, model_name: str, grid: list[tuple[int, int]], decod
     out, n = [], 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for r, c in grid:
-            bodies = []
-            for _ in range(r):
-                tr = TraceRequest(f"served-{n}", 0.0, c, decode_steps)
-                n += 1
-                bodies.append({"model": model_name, "prompt": prompt_token_ids(tr, vocab, seed=2),
-                               "max_tokens": decode_steps, "ignore_eos": True, "temperature": 0, "stream": True})
+            bodies = [_body(model_name, TraceRequest(f"served-{n + i}", 0.0, c, decode_steps), vocab, seed=2)
+                      for i in range(r)]
+            n += r
             t0 = time.perf_counter()
             streams = await asyncio.gather(*(_stream(session, url, b) for b in bodies))
             out.append((r, c, t0, streams))
@@ -186,12 +189,11 @@ async def _beside(url: str, neighbours: list[str], model_name: str, grid: list[t
     stop = asyncio.Event()
 
     async def keep_busy(neighbour: str) -> None:
-        busy = [TraceRequest(f"busy-{i}", 0.0, busy_context, 4 * decode_steps) for i in range(busy_rows)]
+        busy = [_body(model_name, TraceRequest(f"busy-{i}", 0.0, busy_context, 4 * decode_steps), vocab, seed=3)
+                for i in range(busy_rows)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             while not stop.is_set():
-                await asyncio.gather(*(_stream(session, neighbour, {
-                    "model": model_name, "prompt": prompt_token_ids(tr, vocab, seed=3), "max_tokens": tr.output_len,
-                    "ignore_eos": True, "temperature": 0, "stream": True}) for tr in busy))
+                await asyncio.gather(*(_stream(session, neighbour, b) for b in busy))
 
     tasks = [asyncio.ensure_future(keep_busy(n)) for n in neighbours]
     try:

@@ -272,9 +272,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="With --served: run the served grid R times; each batch's decode run and each lone "
                         "request's first chunk are fitted as the median over them (default: 3).")
     p.add_argument("--served-neighbours", type=int, default=0, metavar="N",
-                   help="With --served: start N more servers and run the grid on all of them at once, fitting how "
-                        "much longer a step takes per busy neighbour on this machine's cores (served."
-                        "neighbour_scale, used by `pdserve sim --shared-host`) (default: 0, not measured).")
+                   help="With --served: start N more servers that decode batches back to back while the grid runs "
+                        "again, fitting how much longer a step takes per busy neighbour on this machine's cores "
+                        "(served.neighbour_scale, used by `pdserve sim --shared-host`) (default: 0, not measured).")
 
 
 def _ints(flag: str, text: str) -> list[int]:

@@ -87,10 +87,10 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
     if shared_host:
         for n in prefill + decode:
             n.host = prefill + decode
-    pool_hop = transfer.router_latency_s if transfer is not None and not dep.num_prefill and dep.num_decode > 1 \
-        else 0.0  # several collocated nodes are behind the router; a lone one is served directly
+    # the router stands in front of xPyD and of several collocated nodes; a lone collocated node is served directly
+    routed = transfer is not None and (dep.num_prefill > 0 or dep.num_decode > 1)
     sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=not (step_by_step or shared_host),
-                    pool_router_latency_s=pool_hop, delay_seed=seed)
+                    router_latency_s=transfer.router_latency_s if routed else 0.0, delay_seed=seed)
     t0 = time.perf_counter()
     results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
     wall = time.perf_counter() - t0

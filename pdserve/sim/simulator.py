@@ -101,10 +101,10 @@ class ClientView:
 class Simulator:
     def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
                  fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None,
-                 pd_first_token: str = "replay", leap: bool = True, pool_router_latency_s: float = 0.0,
+                 pd_first_token: str = "replay", leap: bool = True, router_latency_s: float = 0.0,
                  delay_seed: int = 0):
-        """`prefill` empty: a collocated deployment of the `decode` nodes, behind the router when there are several
-        (`pool_router_latency_s`: what it adds per send there; xPyD takes the fabric's). `pd_first_token`: the router's
+        """`prefill` empty: a collocated deployment of the `decode` nodes. `router_latency_s`: what the router adds to
+        each send through it (0 where no router stands in front: a lone collocated node). `pd_first_token`: the router's
         --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first).
         `leap`: advance steady decode runs in leaps (False: every step through the scheduler, --step-by-step)."""
         if pd_first_token not in ("replay", "prefill"):
@@ -125,10 +125,10 @@ class Simulator:
         self.leap = leap
         self.delay_seed = delay_seed  # the client's chunk delays (the profile's served.chunk_delay_quantiles_s)
         # what a send to a node of each pool takes before the node has the request: its profile's
-        # served.request_latency_s (HTTP in and out, the request's translation, the wire to the engine) and, xPyD,
-        # the router's own hop (a collocated pool of several nodes is behind one too: `pdserve router --decode A B`)
-        hop = fabric.transfer.router_latency_s if fabric is not None else pool_router_latency_s
-        self.p_latency, self.d_latency = ((nodes[0].profile.served.request_latency_s if nodes else 0.0) + hop
+        # served.request_latency_s (HTTP in and out, the request's translation, the wire to the engine) and the
+        # router's own hop, where one stands in front
+        self.p_latency, self.d_latency = ((nodes[0].profile.served.request_latency_s if nodes else 0.0) +
+                                          router_latency_s
                                           for nodes in (prefill, decode))
 
     def _push(self, t: float, kind: str, payload) -> None:
@@ -327,8 +327,8 @@ class Simulator:
             view = self.owner.get((node.name, req.request_id))
             if view is None:
                 continue
-            if not is_p or self.first_from_p:  # P's first token goes to the client at once (the router hop is not
-                view.chunks.append((rec.end, n))  # modelled)
+            if not is_p or self.first_from_p:  # P's first token goes to the client at once (its way back through the
+                view.chunks.append((rec.end, n))  # router is not modelled: the hop is counted on sends)
             if req.is_finished:
                 self._finished(node, req, view, rec.end, is_p)
         self._after_step(node, t, rec.end)

@@ -99,6 +99,9 @@ def test_an_unauthenticated_connection_is_cut_off_quickly_and_a_real_peer_gets_i
     took = time.monotonic() - t0
     assert took < control.HANDSHAKE_SECONDS + 2.0, took  # not the 10 s of kv_transfer_timeout
     assert all(closed_by_server(s) for s in socks[1:])
+    # the server frees a cut-off handshake's slot just after closing it: a peer dialling at the very moment the close
+    # is seen could still find the host's slots full (a fresh clone's run did once)
+    wait_for(lambda: not server._pending)
     assert ping(server.port) == {"status": "ok"}
     assert "handshake_limit" not in server.counted
 

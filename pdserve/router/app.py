@@ -62,7 +62,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -71,6 +71,7 @@ from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECT
                                generate_latest)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.router.early_decode import EarlyDecode
 from pdserve.router.first_token import FirstToken
 from pdserve.router.migration import (MAX_MIGRATIONS, Attempt, Migrator, asks_prompt_logprobs, is_reset, migrates,
                                       resume_body)
@@ -81,6 +82,7 @@ from pdserve.router.timing import TtftSplit
 from pdserve.router.upstream import Answer, ConnectFailed, UpstreamError
 from pdserve.serve.body import read_body
 from pdserve.serve.errors import APIError
+from pdserve.serve.handoff import HANDOFF_KEY
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
 from pdserve.transfer.channel.proof import NOT_VERIFIED
 
@@ -106,9 +108,10 @@ class Router(Fleet):
 
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
                  timeout: float = 600.0, pd_first_token: str = "replay", max_migrations: int = MAX_MIGRATIONS,
-                 prefill_fallback: bool = True):
+                 prefill_fallback: bool = True, early_decode: bool = True):
         super().__init__(prefill, decode, policy, health_interval, timeout, prefill_fallback)
         self.pd_first_token = pd_first_token  # "prefill": P samples the first token, streamed to the client at once
+        self.early_decode = early_decode  # with "prefill": a stream's D is asked when its P is (early_decode.py)
         self.registry = CollectorRegistry()
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*, as a server's
             self.registry.register(c)
@@ -119,11 +122,12 @@ class Router(Fleet):
         self._releases: set[asyncio.Task] = set()
 
 
-    async def _prefill(self, path: str, body: dict,
-                       headers: dict) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response], str,
-                                               Optional[dict]]:
+    async def _prefill(self, path: str, body: dict, headers: dict,
+                       on_pick: Optional[Callable[[Node], Optional[str]]] = None
+                       ) -> tuple[Optional[dict], Optional[Node], dict, Optional[Response], str, Optional[dict]]:
         """(P's kv_transfer_params or None: nothing to hand over, the P that answered, P's Server-Timing, an error
-        response for the client or None, P's refusal of the client's request or "", P's whole answer)."""
+        response for the client or None, P's refusal of the client's request or "", P's whole answer). `on_pick(P)`,
+        called before each P is asked, may return a handoff key for it (router/early_decode.py)."""
         if self.pd_first_token == "prefill":  # the client's own params: P's token is the answer's first
             p_body = {k: v for k, v in body.items() if k != "stream_options"}
             p_body.update(stream=False, kv_transfer_params={"do_remote_decode": True, "first_token": True})
@@ -139,6 +143,8 @@ class Router(Fleet):
         # held Ps only when no other is left: they may be fixed by now, and without them the answer is a 502 anyway
         while (node := self.prefill.pick(tried + held) or self.prefill.pick(tried)) is not None:
             tried += (node,)
+            if on_pick is not None and (key := on_pick(node)) is not None:
+                p_body["kv_transfer_params"] = {**p_body["kv_transfer_params"], HANDOFF_KEY: key}
             node.in_flight += 1
             try:
                 r = await self.client.request("POST", node.url + path, json=p_body, headers=headers)
@@ -229,11 +235,15 @@ class Router(Fleet):
             asks_prompt_logprobs(body) or no_d or not self.prefill.nodes  # no D: a P serves it whole (`fallback`)
         gone = asyncio.ensure_future(_wait_disconnect(request))  # watched until D answers (then by the response)
         sending = None
+        early = EarlyDecode(self, path, body, headers, self.migrator.tracks(body), self.migrator.early) \
+            if self.early_decode and self.pd_first_token == "prefill" and body.get("stream") and not skip_p else None
         try:
             params, p_node, p_timing, err, p_refused, p_answer = (None, None, {}, None, "", None) if skip_p else \
-                await self._prefill(path, body, headers)
+                await self._prefill(path, body, headers, early.launch if early is not None else None)
             if err is not None:
                 return err
+            if early is not None and not (params and p_answer is not None):
+                early.drop()  # nothing for D to take, or no first token to stream before it
             t_d = time.monotonic()
             p_round_trip = None if skip_p else t_d - t0
             d_body = dict(body)
@@ -258,12 +268,14 @@ class Router(Fleet):
                 return JSONResponse(p_answer, headers={"X-Request-Id": rid})
             if first is not None and body.get("stream"):
                 self.ttft.observe(time.monotonic() - t0, p_round_trip, p_timing, {}, False, from_prefill=True)
+                attempt = early.attempt() if early is not None else Attempt()
                 return StreamingResponse(
                     self.migrator.stream(path, body, d_body, headers, p_node,
-                                         first.splice(hold_errors=self.migrator.tracks(body)), Attempt(),
+                                         first.splice(hold_errors=self.migrator.tracks(body)), attempt,
                                          prefix=first.chunks(False, _include_usage(body)),
                                          release=lambda why: self._release(p_node, d_body, rid, why)),
-                    media_type="text/event-stream", headers={"X-Request-Id": rid})
+                    media_type="text/event-stream", headers={"X-Request-Id": rid},
+                    background=BackgroundTask(attempt.end))
             tried: tuple = ()
             reset_once = None  # a D that reset a kept-alive connection: asked once more when no other D is left
             reset_why = ""  # the last reset, answered 502 should no node be left
@@ -309,6 +321,8 @@ class Router(Fleet):
             raise
         finally:
             gone.cancel()
+            if early is not None:
+                early.drop()  # not handed to the stream: P's answer is all of it, P failed, or the client left
         if not sending.done():  # the client left before D answered: drop D's request (D aborts it)
             sending.cancel()
             late = (await asyncio.gather(sending, return_exceptions=True))[0]

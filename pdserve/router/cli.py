@@ -30,6 +30,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "samples the first token with the request's own params and the router streams it to the "
                         "client as soon as P answers; D imports all prompt KV and decodes from that token (lower "
                         "TTFT). A first token that ends the request is answered by P alone.")
+    p.add_argument("--pd-early-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="With --pd-first-token prefill: a streamed request's decode node is asked at the same time "
+                        "as its prefill node, and takes P's params from P directly (GET /v1/kv/handoff/KEY, "
+                        "authenticated with the KV token) the moment P's request ends, so the gap between P's "
+                        "first token and D's first is not also the router's hop and D's tokenizing (default: on). "
+                        "D asks only hosts of its kv_peers (loopback when it has none). --no-pd-early-decode asks D "
+                        "after P answered, with P's params in the body.")
     p.add_argument("--max-migrations", type=int, default=_router.MAX_MIGRATIONS,
                    help="How many times one request's answer may move to another node when its node fails "
                         "(default: %(default)s). A stream broken off mid-way resumes on another decode node (or a "
@@ -99,7 +106,7 @@ def run_router(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = _router.Router(args.prefill, args.decode, args.policy, args.health_interval,
                             pd_first_token=args.pd_first_token, max_migrations=args.max_migrations,
-                            prefill_fallback=args.prefill_fallback)
+                            prefill_fallback=args.prefill_fallback, early_decode=args.pd_early_decode)
     router.max_body_bytes = args.max_body_bytes
     exit_cleanly_after_signals()  # as `pdserve serve`: 0 after a clean SIGTERM, not 143
     uvicorn.run(_router.build_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -17,6 +17,7 @@ client gets unless it asked.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Callable, Optional
 
@@ -69,8 +70,36 @@ class Attempt:
 
     def __init__(self, node: Optional[Node] = None, upstream: Optional[Answer] = None):
         self.node, self.upstream = node, upstream
+        self.pending: Optional[asyncio.Future] = None  # `node`'s answer still opening (router/early_decode.py)
+
+    async def opened(self) -> Optional[str]:
+        """The pending open's end: None when it answered 200 (now `upstream`), else why not (released)."""
+        pending, self.pending = self.pending, None
+        try:
+            up = await pending
+        except UpstreamError as e:
+            self.node.in_flight -= 1
+            if isinstance(e, ConnectFailed):
+                self.node.healthy = False  # out of rotation until /health answers again
+            return f"failed: {reason(e)}"
+        except BaseException:  # the client left (or the router stops) while it opened
+            self.node.in_flight -= 1
+            raise
+        self.upstream = up
+        if up.status_code != 200:
+            text = (await up.aread())[:300].decode(errors="replace")
+            await self.end()
+            return f"answered {up.status_code}: {text}"
+        return None
 
     async def end(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.cancel()
+            late = (await asyncio.gather(pending, return_exceptions=True))[0]
+            self.node.in_flight -= 1
+            if isinstance(late, Answer):
+                await late.aclose()
         if self.upstream is not None:
             up, self.upstream = self.upstream, None
             self.node.in_flight -= 1
@@ -93,6 +122,11 @@ class Migrator:
         self.fleet, self.max_migrations = fleet, max_migrations
         self.count = Counter("pdserve_router_migrations", "Answers moved to another node after theirs failed",
                              ["kind"], registry=registry)
+        # early decode (router/early_decode.py) by outcome: streamed (the D asked while P prefilled answered),
+        # replaced (it failed before answering: a D was asked the usual way), dropped (not needed: P's answer was
+        # all of it, P failed or was tried again, the client left)
+        self.early = Counter("pdserve_router_early_decode", "Decode nodes asked while the prefill node prefilled "
+                             "(--pd-early-decode), by outcome", ["outcome"], registry=registry)
 
     def tracks(self, body: dict) -> bool:
         """A stream that may be resumed elsewhere: the router follows its token ids."""
@@ -121,10 +155,22 @@ async def _relay(m: Migrator, path: str, body: dict, d_body: dict, headers: dict
     rid = headers["X-Request-Id"]
     if prefix:
         yield prefix
-    send, tried, migrations = d_body, (attempt.node,) if attempt.node is not None else (), 0
+    send, tried, migrations = d_body, (attempt.node,) if attempt.upstream is not None else (), 0
     taken = release is None
     why = "no healthy decode node"
     try:
+        if attempt.pending is not None:  # a D asked while P prefilled: its answer, else a D the usual way
+            node = attempt.node
+            failed = await attempt.opened()
+            m.early.labels("streamed" if failed is None else "replaced").inc()
+            if failed is None:
+                taken = taken or not attempt.upstream.headers.get(KV_UNUSED_HEADER)
+            else:
+                attempt.node = None
+                if not node.healthy:
+                    tried += (node,)
+                logger.warning("[%s] decode node %s, asked while P prefilled, %s; sending P's params to a decode "
+                               "node", rid, node.url, failed)
         while True:
             if attempt.upstream is None:
                 resumed = send is not d_body

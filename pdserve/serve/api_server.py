@@ -30,6 +30,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.body import DRAIN_SLACK, read_body
 from pdserve.serve import json_body
 from pdserve.serve.errors import APIError, bad_request, install_error_handlers
+from pdserve.serve.handoff import Handoffs, ParamsClient
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.serve.prompts import CHARS_PER_TOKEN, ModelInfo
@@ -50,6 +51,10 @@ class ServerState:
         self.max_num_seqs = engine_config.scheduler.max_num_seqs
         kv = engine_config.kv_transfer
         self.kv_token = kv.auth_token() if kv is not None else ""  # D checks P's proof on P's prompt ids with it
+        self.handoffs = Handoffs()  # P: params for the D that took a request early (serve/handoff.py)
+        self.params_client = ParamsClient(self.kv_token)  # D: asks P for them
+        self.peer_hosts = frozenset(peer.rsplit(":", 1)[0].strip("[]") for c in
+                                    ((kv, *kv.connectors) if kv is not None else ()) for peer in c.kv_peers)
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)
@@ -97,7 +102,8 @@ class ServerState:
             self.names, self.tokenizer, info.vocab_size, info.max_model_len, self.generation_config,
             info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
             self.cfg.max_waiting, self.max_num_seqs, kv_token=self.kv_token,
-            trust_request_chat_template=self.cfg.trust_request_chat_template))
+            trust_request_chat_template=self.cfg.trust_request_chat_template),
+            self.handoffs, self.params_client, self.peer_hosts)
         if self.cfg.trust_request_chat_template:
             logger.warning("--trust-request-chat-template: requests' own chat templates are rendered (code from "
                            "clients, run by this server): only for clients you trust")
@@ -134,6 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         if state.drain is not None:  # a P keeps serving open KV leases after its last HTTP request ended
             await state.drain
         await state.engine.shutdown()
+        await state.params_client.aclose()
 
     app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

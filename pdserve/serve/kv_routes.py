@@ -6,14 +6,20 @@
 - `POST /v1/kv/probe` (D): `{"probe": ...}` from a P: 200 `{"ok": true}` when it verifies with D's KV token, 409
   with the reason when not (P and D hold different tokens: a deployment error, found before traffic is), 400 when
   this is not a decode node.
+- `GET /v1/kv/handoff/{key}` (P): the params of P's request with that handoff key, for the D that took the request
+  early (serve/handoff.py): `{"kv_transfer_params": ...}` once the request ended (null with a `reason` when nothing
+  is handed over); 403 without `X-PD-Handoff-Proof` made with P's KV token; 400 a malformed key; 504 past the wait.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
 
 from pdserve.serve.errors import APIError
+from pdserve.serve.handoff import PROOF_HEADER, WAIT_SECONDS, handoff_proof, valid_key
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -55,3 +61,18 @@ def add_kv_routes(app: FastAPI, state, read_json) -> None:
         if why.startswith("this "):  # not a decode node, or no token here
             raise APIError(400 if "not a P/D decode node" in why else 409, why, "probe")
         raise APIError(409, why, "probe")
+
+    @app.get("/v1/kv/handoff/{key}")
+    async def kv_handoff(key: str, request: Request):
+        if not valid_key(key):
+            raise APIError(400, "handoff key: 32 lowercase hex digits", "key")
+        proof = request.headers.get(PROOF_HEADER, "")
+        if not state.kv_token or not hmac.compare_digest(proof.encode(), handoff_proof(state.kv_token, key).encode()):
+            raise APIError(403, f"{PROOF_HEADER}: missing or not made with this node's KV token")
+        try:
+            params, why = await state.handoffs.take(key, WAIT_SECONDS)
+        except LookupError as e:
+            raise APIError(503, str(e))
+        except (asyncio.TimeoutError, TimeoutError):
+            raise APIError(504, f"no request with this handoff key ended here within {WAIT_SECONDS:.0f} s")
+        return {"kv_transfer_params": params, "reason": why} if params is None else {"kv_transfer_params": params}

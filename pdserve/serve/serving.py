@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
+from pdserve.serve.handoff import AWAIT_PREFILL, HANDOFF_KEY, Handoffs, ParamsClient, dialable, valid_key
 from pdserve.serve.offload import off_loop
 from pdserve.serve.parallel_sampling import create_n
 from pdserve.serve.prompts import ModelInfo
@@ -57,11 +58,51 @@ ROUTER_DEFAULT_FIELDS = frozenset({"no_stop_trim", "return_hidden_states", "cont
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, info: ModelInfo):
+    def __init__(self, engine: AsyncEngine, info: ModelInfo, handoffs: Optional[Handoffs] = None,
+                 params_client: Optional[ParamsClient] = None, peer_hosts: frozenset = frozenset()):
         self.engine = engine
         self.info = info
+        self.handoffs = handoffs if handoffs is not None else Handoffs()  # P: params for an early D
+        self.params_client = params_client  # D: asks P for them (serve/handoff.py)
+        self.peer_hosts = peer_hosts  # D: the hosts of its kv_peers, the only ones it asks
 
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
+        kvp = data.get("kv_transfer_params")
+        key = kvp.get(HANDOFF_KEY) if isinstance(kvp, dict) and kvp.get("do_remote_decode") is True else None
+        if not valid_key(key):
+            return await self._create(kind, data, request, request_id, arrival)
+        self.handoffs.register(key)  # P: a D may be waiting for this request's params already
+        try:
+            return await self._create(kind, data, request, request_id, arrival, key)
+        finally:  # every way the request ends: the D waiting is answered (no-op once the params went)
+            self.handoffs.resolve(key, None, "the prefill node's request ended without handing over its KV")
+
+    async def _await_params(self, greq, request: Request) -> Optional[float]:
+        """D, a request taken before P answered: P's params in place of the await (serve/handoff.py); their arrival
+        time, or None when the client went away first."""
+        spec = greq.kv_transfer_params.get(AWAIT_PREFILL)
+        if set(greq.kv_transfer_params) != {AWAIT_PREFILL} or not isinstance(spec, dict) or \
+                not valid_key(spec.get("key")) or not isinstance(spec.get("url"), str):
+            raise APIError(400, f"kv_transfer_params.{AWAIT_PREFILL}: {{\"url\": the prefill node's URL, \"key\": 32 "
+                                "hex digits}, alone", "kv_transfer_params")
+        if self.params_client is None or not self.info.kv_token:
+            raise APIError(400, f"kv_transfer_params.{AWAIT_PREFILL}: this node has no KV token to ask a prefill "
+                                "node with", "kv_transfer_params")
+        if (why := dialable(spec["url"], self.peer_hosts)) is not None:
+            raise APIError(400, f"kv_transfer_params.{AWAIT_PREFILL}: not asked: {why}", "kv_transfer_params")
+        task = await _unless_disconnected(self.params_client.fetch(spec["url"], spec["key"]), request)
+        if task.cancelled():
+            return None
+        params, why = task.result()
+        if params is None:
+            raise APIError(409, f"kv_transfer_params.{AWAIT_PREFILL}: the prefill node handed nothing over: {why}",
+                           "kv_transfer_params")
+        greq.kv_transfer_params = params
+        return time.monotonic()
+
+    async def _create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float,
+                      handoff: Optional[str] = None) -> Response:
+        lease_params = data.get("kv_transfer_params")  # what a refusal tells P to release (D: P's, once in)
         try:
             # chat templating and tokenizing take time that grows with the text: on the event loop they would
             # stall every other request's stream
@@ -71,13 +112,18 @@ class OpenAIServing:
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]
                 (logger.warning if noisy else logger.debug)("ignoring unknown field(s): %s",
                                                             ", ".join(greq.unknown_fields))
+            if isinstance(greq.kv_transfer_params, dict) and AWAIT_PREFILL in greq.kv_transfer_params:
+                arrival = await self._await_params(greq, request)
+                if arrival is None:
+                    return Response(status_code=499)
+                lease_params = greq.kv_transfer_params
             if greq.params.n > 1 or len(greqs) > 1:
                 return await create_n(self.engine, greqs, request, self.engine.unique_id(request_id), arrival,
                                       "cmpl-" if kind == "completion" else "chatcmpl-", _unless_disconnected)
             st = self.engine.submit(request_id, greq.prompt_token_ids, greq.params, arrival, greq.kv_transfer_params,
                                     greq.cache_salt)
         except APIError:  # refused (a bad field, queue full, draining): a P/D request's lease on P ends now
-            self.engine.release_remote_kv(request_id, data.get("kv_transfer_params"))
+            self.engine.release_remote_kv(request_id, lease_params)
             raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         builder = ResponseBuilder(greq, prefix + st.request_id, int(time.time()))
@@ -96,7 +142,8 @@ class OpenAIServing:
                                                       any(r.kv_unused for r in first))}
             return StreamingResponse(self._stream(gen, builder, first), media_type="text/event-stream",
                                      headers=headers)
-        return await self._full(gen, builder, request)
+        on_params = None if handoff is None else lambda params: self.handoffs.resolve(handoff, params)
+        return await self._full(gen, builder, request, on_params)
 
     @staticmethod
     async def _first(gen, request: Request) -> Optional[list]:
@@ -120,12 +167,14 @@ class OpenAIServing:
             raise APIError(500, f"the request failed: {last.error or 'engine error'}")
         return recs
 
-    async def _full(self, gen, builder: ResponseBuilder, request: Request) -> Response:
+    async def _full(self, gen, builder: ResponseBuilder, request: Request, on_params=None) -> Response:
         async def run():
             async with aclosing(gen):
                 async for recs in gen:
                     for rec in recs:
                         builder.add(rec)
+                    if on_params is not None and builder.kv_transfer_params is not None:
+                        on_params(builder.kv_transfer_params)  # P: to the early D now, before this answer is built
 
         task = await _unless_disconnected(run(), request)
         if task.cancelled():

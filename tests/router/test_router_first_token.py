@@ -76,9 +76,12 @@ def stream_resp(*chunks: bytes, broken=False):
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=httpx.ByteStream(b"".join(chunks)))
 
 
-def routed(nodes: Nodes, decode=(D1,), mode="prefill", max_migrations=2, prefill_fallback=True):
-    router = Router([P], list(decode), "round-robin", health_interval=3600, pd_first_token=mode,
-                    max_migrations=max_migrations, prefill_fallback=prefill_fallback)
+def routed(nodes: Nodes, decode=(D1,), mode="prefill", max_migrations=2, prefill_fallback=True, early=False,
+           prefill=(P,)):
+    """early: D asked while P prefills (tests/router/test_router_early_decode.py); off here, where D is asked after
+    P answered."""
+    router = Router(list(prefill), list(decode), "round-robin", health_interval=3600, pd_first_token=mode,
+                    max_migrations=max_migrations, prefill_fallback=prefill_fallback, early_decode=early)
     router.client = MockUpstream(nodes)
     client = TestClient(build_app(router))
     client.router = router

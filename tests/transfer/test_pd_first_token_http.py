@@ -10,7 +10,9 @@ import json
 import httpx
 import pytest
 
-from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, wait_pools_whole
+from pdserve.serve.handoff import PROOF_HEADER, handoff_proof
+from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, \
+    wait_pools_whole
 from tests.server_harness import cleanup_all
 
 COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
@@ -104,6 +106,36 @@ def test_first_token_that_ends_it_never_reaches_d(dep):
         want = ask(dep["C"].url, False, False, temperature=0, max_tokens=1)
         assert ask(dep["R"].url, False, stream, temperature=0, max_tokens=1) == want
     assert metric(dep["D"].url, "vllm:request_success_total") == before
+
+
+def test_y_streams_went_to_a_d_asked_while_p_prefilled(dep):
+    """Early decode (serve/handoff.py, router/early_decode.py): every streamed P/D request above was answered by the
+    D the router asked while P prefilled; the first tokens that ended their request dropped theirs."""
+    streamed = metric(dep["R"].url, "pdserve_router_early_decode_total", outcome="streamed")
+    assert streamed >= 7 and metric(dep["R"].url, "pdserve_router_early_decode_total", outcome="replaced") == 0
+    assert metric(dep["R"].url, "pdserve_router_early_decode_total", outcome="dropped") >= 1
+
+
+def test_y_handoff_route_and_await_edges(dep):
+    key = "0123456789abcdef0123456789abcdef"
+    p, d = dep["P"].url, dep["D"].url
+    assert httpx.get(p + "/v1/kv/handoff/XYZ", timeout=10).status_code == 400
+    r = httpx.get(p + f"/v1/kv/handoff/{key}", headers={PROOF_HEADER: handoff_proof("another token", key)}, timeout=10)
+    assert r.status_code == 403 and PROOF_HEADER in r.json()["error"]["message"]
+    body = {"model": "qwen3-tiny-s0", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    far = {**body, "kv_transfer_params": {"await_prefill": {"url": "http://10.1.2.3:9", "key": key}}}
+    r = httpx.post(d + "/v1/completions", json=far, timeout=10)  # never dialled: not one of D's kv_peers
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    assert "10.1.2.3" in r.json()["error"]["message"]
+    # P's first token ends its request: P hands nothing over, and the D that waits answers 409 (no KV taken)
+    ended = {"model": "qwen3-tiny-s0", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+             "kv_transfer_params": {"do_remote_decode": True, "first_token": True, "handoff_key": key}}
+    r = httpx.post(p + "/v1/completions", json=ended, timeout=60)
+    assert r.status_code == 200 and "kv_transfer_params" not in r.json()
+    waiting = {**body, "kv_transfer_params": {"await_prefill": {"url": p, "key": key}}}
+    r = httpx.post(d + "/v1/completions", json=waiting, timeout=60)
+    assert r.status_code == 409 and "handed nothing over" in r.json()["error"]["message"]
+    wait_pools_whole(dep["P"], dep["D"])
 
 
 def test_zz_d_ran_no_prefill_row_and_pools_whole(dep):

@@ -1,4 +1,4 @@
-"""Early decode (`--pd-early-decode`, on by default with `--pd-first-token prefill`): a streamed request's D is asked
+"""Early decode (`--pd-early-decode`, with `--pd-first-token prefill`): a streamed request's D is asked
 when its P is, not after P answers (serve/handoff.py has the nodes' half and the numbered flow).
 
 Each P the router tries gets its own handoff key, and a D the P's proofs verify on is opened with `await_prefill` on

@@ -1,4 +1,4 @@
-"""Early decode (`pdserve router --pd-first-token prefill`, on by default there): D takes the request while P still
+"""Early decode (`pdserve router --pd-first-token prefill --pd-early-decode`): D takes the request while P still
 prefills it, and P hands D its params itself the moment they exist, so the router's hop, D's request translation and
 its wire are off the path from P's first token to D's first.
 

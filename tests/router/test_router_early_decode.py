@@ -1,4 +1,4 @@
-"""`pdserve router --pd-first-token prefill` with early decode (the default there) against fake nodes: a streamed
+"""`pdserve router --pd-first-token prefill --pd-early-decode` against fake nodes: a streamed
 request's D is asked while P prefills, with `await_prefill` naming P and the key P got; the open D becomes the stream
 after P's token; a D that fails before answering is replaced by one that gets P's params; P's answer that is all of
 it, a P that fails and one tried again elsewhere drop the open D; every node's in-flight count ends at 0."""
@@ -76,7 +76,8 @@ class Fleet:
 
 
 def routed(fleet: Fleet, prefill=(P,), decode=(D1,)):
-    router = Router(list(prefill), list(decode), "round-robin", health_interval=3600, pd_first_token="prefill")
+    router = Router(list(prefill), list(decode), "round-robin", health_interval=3600, pd_first_token="prefill",
+                    early_decode=True)
     router.client = MockUpstream(fleet)
     client = TestClient(build_app(router))
     client.router = router
@@ -169,9 +170,9 @@ def test_a_p_tried_again_elsewhere_gets_a_new_key_and_d():
     assert fleet.streams[0].closed  # the D opened for the first P was dropped
 
 
-def test_off_asks_d_after_p():
+def test_off_by_default_asks_d_after_p():
     fleet = Fleet({P: lambda b: p_answer("Hel")}, {D1: lambda b: REST})
-    router = Router([P], [D1], "round-robin", health_interval=3600, pd_first_token="prefill", early_decode=False)
+    router = Router([P], [D1], "round-robin", health_interval=3600, pd_first_token="prefill")
     router.client = MockUpstream(fleet)
     with TestClient(build_app(router)) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})

@@ -31,7 +31,8 @@ def dep(qwen3_tiny):
     try:
         for srv in s.values():
             srv.wait_healthy()
-        router = RouterProcess([s["P"].url], [s["D"].url], "--pd-first-token", "prefill")
+        # early decode: the streamed requests' D is asked while P prefills (test_y_streams_went_...)
+        router = RouterProcess([s["P"].url], [s["D"].url], "--pd-first-token", "prefill", "--pd-early-decode")
         router.wait_healthy()
         s["R"] = router
         yield s

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,8 @@ class RMSNorm(nn.Module):
 
 def _packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed GEMM serves this dtype on this CPU. float32: MKL's small-M GEMM is 2-4x slower on
-    these machines (CPU-NOTES.md) and the packed one was as fast or faster at every M from 1 to 512. bfloat16:
+    these machines (CPU-NOTES.md) and the packed one was as fast or faster at every M from 1 to 512, but for one row
+    on a small weight (`PLAIN_ONE_ROW_MAX`). bfloat16:
     F.linear's unpacked bf16 GEMM made a decode step slower than packed float32's (a scratch run, NOTES.md session
     9), packed bf16 reads half the bytes (forward_profile.py --dtype bfloat16); only where oneDNN has bf16 kernels
     (AVX512-BF16, AMX or its AVX-512 emulation). float64 has no oneDNN GEMM and stays on F.linear (the exactness
@@ -40,15 +42,26 @@ def _packs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# A one-row call (a lone decode) on a weight of at most this many elements goes to F.linear: there oneDNN's fixed
+# cost (~15 us a call here) is more than F.linear's whole call, and a tiny model's one-row decode step ran 25% faster
+# unpacked; at two rows and more, or on larger weights, packed was as fast or faster (benchmarks/linear_pack.py).
+# One row only: a FULL step is never padded from or to one row, so FULL and eager take the same kernel for every
+# row count (tests/worker/test_graphs.py's FULL == eager bound holds). PDSERVE_PLAIN_ONE_ROW_MAX sets it (0: every
+# call packed, as before the rule) for A/B runs.
+PLAIN_ONE_ROW_MAX = int(os.environ.get("PDSERVE_PLAIN_ONE_ROW_MAX", "320000"))
+
+
 class Linear(nn.Module):
     """y = x W^T + b. On CPU in float32 and bfloat16 the weight is also kept in oneDNN's packed layout (`_packs`
-    says why), which decode steps' small M gains most from."""
+    says why), which decode steps' small M gains most from, except for one row on a small weight
+    (`PLAIN_ONE_ROW_MAX`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed = None
+        self.packed_min_rows = 1  # rows from which the packed GEMM is used: 1 or 2 (set by pack_for_cpu)
 
     def pack_for_cpu(self) -> None:
         w = self.weight
@@ -58,9 +71,11 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
         except (RuntimeError, AttributeError):  # torch built without oneDNN
             self.packed = None
+        # float32 only: bfloat16's unpacked GEMM is the slow one at every size (`_packs`)
+        self.packed_min_rows = 2 if w.dtype == torch.float32 and w.numel() <= PLAIN_ONE_ROW_MAX else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.numel() // x.shape[-1] >= self.packed_min_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -1,0 +1,112 @@
+"""oneDNN's packed GEMM against F.linear on this CPU, float32: what `pdserve/model/layers.py`'s one-row rule
+(`PLAIN_ONE_ROW_MAX`) rests on.
+
+1. Each weight shape of the tiny and small models (and the tiny model's LM head) at M = 1, 2, 4, 8, 16 rows: the
+   median time of one call, packed and plain, alternating.
+2. A FULL decode step of a model (default: the tiny one) at 1, 2 and 8 rows, with the rule against every layer
+   packed (the code before it), alternating.
+
+    .venv/bin/python benchmarks/linear_pack.py                     # ~2 min, 1 thread
+    .venv/bin/python benchmarks/linear_pack.py --threads 2 --model qwen3-small-s0
+
+Writes benchmarks/results/linear_pack.json (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_result  # noqa: E402
+
+SHAPES = [(256, 256), (512, 256), (256, 640), (256, 1024), (256, 8192), (1024, 1024), (1024, 3072), (3072, 1024)]
+ROWS = (1, 2, 4, 8, 16)
+
+
+def per_call_us(fn, n: int) -> float:
+    for _ in range(max(5, n // 20)):
+        fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def shapes(reps: int) -> list[dict]:
+    out = []
+    with torch.inference_mode():
+        for i, o in SHAPES:
+            w = torch.randn(o, i)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+            for m in ROWS:
+                x = torch.randn(m, i)
+                n = 1000 if i * o < 2_000_000 else 200
+                got = {"packed": [], "plain": []}
+                for r in range(reps):
+                    for kind in (("packed", "plain") if r % 2 == 0 else ("plain", "packed")):
+                        fn = (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")) \
+                            if kind == "packed" else (lambda: F.linear(x, w))
+                        got[kind].append(per_call_us(fn, n))
+                row = {"in": i, "out": o, "rows": m, **{k: statistics.median(v) for k, v in got.items()}}
+                row["plain_over_packed"] = row["plain"] / row["packed"]
+                out.append(row)
+                print(f"{i:>5} x {o:<5} M={m:<3} packed {row['packed']:7.1f} us  plain {row['plain']:7.1f} us  "
+                      f"plain/packed {row['plain_over_packed']:.2f}", flush=True)
+    return out
+
+
+def full_steps(model: str, reps: int) -> list[dict]:
+    from pdserve import LLM, SamplingParams
+    from pdserve.model.layers import Linear
+    llm = LLM(model, max_model_len=512)
+    fg = llm.engine.runner.full_graphs
+    seen, orig = {}, fg.run
+    fg.run = lambda desc, layout: (seen.setdefault(desc.num_reqs, (desc, layout)), orig(desc, layout))[1]
+    for rows in (1, 2, 8):
+        llm.generate(["hello world " * 20] * rows, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    rule = [m.packed_min_rows for m in lins]
+    out = []
+    for rows in sorted(seen):
+        step = fg.step_callable(*seen[rows])
+        got = {"rule": [], "all_packed": []}
+        with torch.inference_mode():
+            for r in range(reps):
+                for kind in (("rule", "all_packed") if r % 2 == 0 else ("all_packed", "rule")):
+                    for m, mr in zip(lins, rule):
+                        m.packed_min_rows = mr if kind == "rule" else 1
+                    got[kind].append(per_call_us(step, 200) / 1e3)
+        row = {"rows": rows, **{k: statistics.median(v) for k, v in got.items()}}
+        row["rule_over_all_packed"] = row["rule"] / row["all_packed"]
+        out.append(row)
+        print(f"FULL step, {rows} row(s): rule {row['rule']:.3f} ms, all packed {row['all_packed']:.3f} ms, "
+              f"rule/all packed {row['rule_over_all_packed']:.2f}", flush=True)
+    for m, mr in zip(lins, rule):
+        m.packed_min_rows = mr
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1, a P/D node's share here).")
+    p.add_argument("--model", default="qwen3-tiny-s0",
+                   help="Model for the FULL step part: a directory or a name under ~/.cache/pdserve/models "
+                        "(default: qwen3-tiny-s0).")
+    p.add_argument("--reps", type=int, default=4, help="Alternating repetitions of each pair (default: 4).")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "linear_pack.json"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = args.model if os.path.isdir(args.model) else \
+        str(Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache/pdserve")) / "models" / args.model)
+    write_result(args.out, args, shapes=shapes(args.reps), full_steps=full_steps(model, args.reps))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,9 @@ handlers: an httpx.Response, or an httpx error raised before or during the body,
 failures (`ConnectFailed`, `Reset`, `Timeout`), as aiohttp's do in production (tests/router/test_upstream.py)."""
 from __future__ import annotations
 
+import json
+from typing import Optional
+
 import httpx
 
 from pdserve.router.upstream import Answer, ConnectFailed, Reset, Timeout, UpstreamError, describe
@@ -53,3 +56,14 @@ class MockUpstream:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def routine(request: httpx.Request, calls: list) -> tuple[str, Optional[dict], Optional[httpx.Response]]:
+    """What every fake node answers alike: /health (200), /v1/kv/probe (404: no probing), /v1/kv/release (200).
+    (node URL, JSON body or None, that answer or None); every call but health and probes goes into `calls`."""
+    url = f"{request.url.scheme}://{request.url.host}"
+    if request.url.path in ("/health", "/v1/kv/probe"):
+        return url, None, httpx.Response(200 if request.url.path == "/health" else 404, json={})
+    body = json.loads(request.content)
+    calls.append((url, request.url.path, body))
+    return url, body, httpx.Response(200, json={}) if request.url.path == "/v1/kv/release" else None

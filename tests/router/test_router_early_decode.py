@@ -5,13 +5,12 @@ it, a P that fails and one tried again elsewhere drop the open D; every node's i
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 from starlette.testclient import TestClient
 
 from pdserve.router.app import Router, build_app
-from tests.router.fake_upstream import MockUpstream
+from tests.router.fake_upstream import MockUpstream, routine
 from tests.router.test_router_first_token import D1, D2, P, PARAMS, chunk, events, p_answer, sse, text_of
 
 P2 = "http://p2.test"
@@ -43,13 +42,9 @@ class Fleet:
         return self.awaited.setdefault(key, asyncio.Event())
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        url = f"{request.url.scheme}://{request.url.host}"
-        if request.url.path in ("/health", "/v1/kv/probe"):
-            return httpx.Response(200 if request.url.path == "/health" else 404, json={})
-        body = json.loads(request.content)
-        self.calls.append((url, request.url.path, body))
-        if request.url.path == "/v1/kv/release":
-            return httpx.Response(200, json={})
+        url, body, answer = routine(request, self.calls)
+        if answer is not None:
+            return answer
         kvp = body.get("kv_transfer_params") or {}
         if url in self.p:
             key = kvp.get("handoff_key")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from tests.router.fake_upstream import MockUpstream
+from tests.router.fake_upstream import MockUpstream, routine
 from pdserve.router.app import Router, build_app
 from pdserve.router.first_token import FirstToken
 from tests.router.test_router_failures import Broken
@@ -52,13 +52,9 @@ class Nodes:
         self.p, self.d, self.calls = p, d, []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        url = f"{request.url.scheme}://{request.url.host}"
-        if request.url.path in ("/health", "/v1/kv/probe"):
-            return httpx.Response(200 if request.url.path == "/health" else 404, json={})
-        body = json.loads(request.content)
-        self.calls.append((url, request.url.path, body))
-        if request.url.path == "/v1/kv/release":
-            return httpx.Response(200, json={})
+        url, body, answer = routine(request, self.calls)
+        if answer is not None:
+            return answer
         if url == P:
             r = self.p(body)
             return r if isinstance(r, httpx.Response) else httpx.Response(200, json=r)

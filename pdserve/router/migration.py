@@ -82,8 +82,10 @@ class Attempt:
             if isinstance(e, ConnectFailed):
                 self.node.healthy = False  # out of rotation until /health answers again
             return f"failed: {reason(e)}"
-        except BaseException:  # the client left (or the router stops) while it opened
+        except BaseException:  # the client left (or the router stops) while it opened: D sees its client go
             self.node.in_flight -= 1
+            pending.cancel()  # a cancel reaches it already, a closed generator's exit would not
+            pending.add_done_callback(_close_late)
             raise
         self.upstream = up
         if up.status_code != 200:
@@ -104,6 +106,16 @@ class Attempt:
             up, self.upstream = self.upstream, None
             self.node.in_flight -= 1
             await up.aclose()
+
+
+def _close_late(task: asyncio.Future) -> None:
+    """An answer that came although no longer wanted: closed unread."""
+    if not task.cancelled() and task.exception() is None:
+        _CLOSING.add(t := asyncio.ensure_future(task.result().aclose()))
+        t.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set = set()  # held here: the loop keeps only weak references to tasks
 
 
 def next_node(fleet: Fleet, p_node: Optional[Node], tried: tuple, resumed: bool) -> Optional[Node]:

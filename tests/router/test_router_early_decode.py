@@ -10,6 +10,8 @@ import httpx
 from starlette.testclient import TestClient
 
 from pdserve.router.app import Router, build_app
+from pdserve.router.migration import Attempt
+from pdserve.router.nodes import Node
 from tests.router.fake_upstream import MockUpstream, routine
 from tests.router.test_router_first_token import D1, D2, P, PARAMS, chunk, events, p_answer, sse, text_of
 
@@ -173,3 +175,20 @@ def test_off_by_default_asks_d_after_p():
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
     assert text_of(events(r.text)) == "Hello"
     assert [b["kv_transfer_params"] for b in fleet.d_bodies(D1)] == [PARAMS]
+
+
+def test_a_stream_cancelled_while_its_early_d_opens_cancels_the_open():
+    """The client leaving while the early D has not answered: the open is cancelled (D sees its client go) and the
+    node's in-flight count is given back once."""
+    async def go():
+        node = Node(D1, in_flight=1)
+        attempt = Attempt(node)
+        attempt.pending = asyncio.get_running_loop().create_future()  # D still waiting for P's params
+        waiting = asyncio.ensure_future(attempt.opened())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await attempt.end()  # the response's background end, after the relay's own: nothing left to give back
+        return waiting.cancelled(), node.in_flight
+    fut_cancelled, in_flight = asyncio.run(go())
+    assert fut_cancelled and in_flight == 0

@@ -96,15 +96,16 @@ def full_steps(model: str, reps: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1, a P/D node's share here).")
-    p.add_argument("--model", default="qwen3-tiny-s0",
+    p.add_argument("--model", default=None,
                    help="Model for the FULL step part: a directory or a name under ~/.cache/pdserve/models "
-                        "(default: qwen3-tiny-s0).")
+                        "(default: qwen3-tiny-s0, made if missing).")
     p.add_argument("--reps", type=int, default=4, help="Alternating repetitions of each pair (default: 4).")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "linear_pack.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = args.model if os.path.isdir(args.model) else \
-        str(Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache/pdserve")) / "models" / args.model)
+    from pdserve.model.make_model import ensure_model, pdserve_home
+    model = str(ensure_model("qwen3", "tiny", 0)) if args.model is None else \
+        args.model if os.path.isdir(args.model) else str(pdserve_home() / "models" / args.model)
     write_result(args.out, args, shapes=shapes(args.reps), full_steps=full_steps(model, args.reps))
 
 

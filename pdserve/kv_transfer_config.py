@@ -87,6 +87,10 @@ class KVTransferConfig:
     kv_connector_extra_config: dict = field(default_factory=dict)
     connectors: tuple = ()  # children of a MultiConnector
 
+    def peer_hosts(self) -> tuple[str, ...]:
+        """The hosts of kv_peers ("host:port", an IPv6 host in brackets)."""
+        return tuple(p.rsplit(":", 1)[0].strip("[]") for p in self.kv_peers)
+
     @classmethod
     def from_dict(cls, d: dict) -> "KVTransferConfig":
         if not isinstance(d, dict):

@@ -75,8 +75,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.early_decode import EarlyDecode
 from pdserve.router.first_token import FirstToken
-from pdserve.router.migration import (MAX_MIGRATIONS, Attempt, Migrator, asks_prompt_logprobs, is_reset, migrates,
-                                      resume_body)
+from pdserve.router.migration import (MAX_MIGRATIONS, Attempt, Migrator, asks_prompt_logprobs, drop_open, is_reset,
+                                      migrates, resume_body)
 from pdserve.router.nodes import Fleet, Node, error_of
 from pdserve.router.relay import error, reason, relay_answer
 from pdserve.router.splice import Splice
@@ -326,11 +326,7 @@ class Router(Fleet):
             if early is not None:
                 early.drop()  # not handed to the stream: P's answer is all of it, P failed, or the client left
         if not sending.done():  # the client left before D answered: drop D's request (D aborts it)
-            sending.cancel()
-            late = (await asyncio.gather(sending, return_exceptions=True))[0]
-            if isinstance(late, Answer):
-                await late.aclose()
-            node.in_flight -= 1
+            await drop_open(sending, node)
             self._release(p_node, d_body, rid, "the client went away before the decode node answered")
             return Response(status_code=499)
         try:

@@ -14,21 +14,8 @@ import asyncio
 import uuid
 from typing import Optional
 
-from pdserve.router.migration import Attempt
+from pdserve.router.migration import Attempt, drop_open, in_background
 from pdserve.router.nodes import Fleet, Node
-from pdserve.router.upstream import Answer
-
-_DROPPING: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
-
-
-async def drop(task: asyncio.Future, node: Node) -> None:
-    """An open D no longer wanted: cancelled, or its answer closed unread (D sees its client go)."""
-    task.cancel()
-    late = (await asyncio.gather(task, return_exceptions=True))[0]
-    node.in_flight -= 1
-    if isinstance(late, Answer):
-        await late.aclose()
-
 
 class EarlyDecode:
     def __init__(self, fleet: Fleet, path: str, body: dict, headers: dict, ask_ids: bool, outcomes=None):
@@ -66,7 +53,5 @@ class EarlyDecode:
         if self.task is not None:
             if self.outcomes is not None:
                 self.outcomes.labels("dropped").inc()
-            t = asyncio.ensure_future(drop(self.task, self.node))
-            _DROPPING.add(t)
-            t.add_done_callback(_DROPPING.discard)
+            in_background(drop_open(self.task, self.node))
             self.task, self.node = None, None

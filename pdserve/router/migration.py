@@ -97,25 +97,36 @@ class Attempt:
     async def end(self) -> None:
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.cancel()
-            late = (await asyncio.gather(pending, return_exceptions=True))[0]
-            self.node.in_flight -= 1
-            if isinstance(late, Answer):
-                await late.aclose()
+            await drop_open(pending, self.node)
         if self.upstream is not None:
             up, self.upstream = self.upstream, None
             self.node.in_flight -= 1
             await up.aclose()
 
 
+async def drop_open(task: asyncio.Future, node: Node) -> None:
+    """A node's answer still opening (`client.open`) that is no longer wanted: cancelled, or closed unread if it
+    came anyway (the node sees its client go); the node's in-flight count given back."""
+    task.cancel()
+    late = (await asyncio.gather(task, return_exceptions=True))[0]
+    node.in_flight -= 1
+    if isinstance(late, Answer):
+        await late.aclose()
+
+
+_BACKGROUND: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
+
+
+def in_background(coro) -> None:
+    """Runs `coro` without anyone waiting for it (a client's answer never waits for a connection to close)."""
+    _BACKGROUND.add(t := asyncio.ensure_future(coro))
+    t.add_done_callback(_BACKGROUND.discard)
+
+
 def _close_late(task: asyncio.Future) -> None:
     """An answer that came although no longer wanted: closed unread."""
     if not task.cancelled() and task.exception() is None:
-        _CLOSING.add(t := asyncio.ensure_future(task.result().aclose()))
-        t.add_done_callback(_CLOSING.discard)
-
-
-_CLOSING: set = set()  # held here: the loop keeps only weak references to tasks
+        in_background(task.result().aclose())
 
 
 def next_node(fleet: Fleet, p_node: Optional[Node], tried: tuple, resumed: bool) -> Optional[Node]:

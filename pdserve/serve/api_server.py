@@ -53,8 +53,7 @@ class ServerState:
         self.kv_token = kv.auth_token() if kv is not None else ""  # D checks P's proof on P's prompt ids with it
         self.handoffs = Handoffs()  # P: params for the D that took a request early (serve/handoff.py)
         self.params_client = ParamsClient(self.kv_token)  # D: asks P for them
-        self.peer_hosts = frozenset(peer.rsplit(":", 1)[0].strip("[]") for c in
-                                    ((kv, *kv.connectors) if kv is not None else ()) for peer in c.kv_peers)
+        self.peer_hosts = frozenset(h for c in ((kv, *kv.connectors) if kv is not None else ()) for h in c.peer_hosts())
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)

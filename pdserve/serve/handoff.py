@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import re
 import time
 from typing import Optional
 from urllib.parse import urlsplit
+
+from pdserve.kv_transfer_config import LOOPBACK
 
 HANDOFF_KEY = "handoff_key"  # in P's kv_transfer_params: where its params go besides its answer
 AWAIT_PREFILL = "await_prefill"  # D's kv_transfer_params: {"url": P's URL, "key": the handoff key}
@@ -107,11 +108,7 @@ def dialable(url: str, peer_hosts: frozenset) -> Optional[str]:
         return f"{url!r} is not an http(s) URL"
     if peer_hosts:
         return None if host in peer_hosts else f"host {host} is none of this node's kv_peers"
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    return None if loopback else f"host {host} is not loopback, and this node has no kv_peers naming it"
+    return None if host in LOOPBACK else f"host {host} is not loopback, and this node has no kv_peers naming it"
 
 
 class ParamsClient:

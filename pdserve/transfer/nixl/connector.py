@@ -110,7 +110,7 @@ def _ucx_env(config) -> None:
     os.environ.setdefault("UCX_TLS", nixl_agent.DEFAULT_UCX_TLS)
     hosts = [config.kv_host] if config.kv_role != "kv_consumer" else []
     if config.kv_role != "kv_producer":  # no kv_peers: D dials loopback only
-        hosts += [p.rsplit(":", 1)[0].strip("[]") for p in config.kv_peers] or ["127.0.0.1"]
+        hosts += list(config.peer_hosts()) or ["127.0.0.1"]
     if "UCX_NET_DEVICES" in os.environ:
         return
     if all(h in LOOPBACK for h in hosts):

@@ -17,8 +17,9 @@ known shape, and `step_scale` and `step_overhead_s` are fitted to the batches' r
 prediction (relative error, both >= 0). A lone request's time to its first chunk, less its served
 prefill step, is what a request spends outside the steps: `request_latency_s` is the median. The served grid runs
 `--served-repeats` times (3): each batch's decode run is its median over them.
-How late each chunk of a decode run reaches the client against the run's steady pace, past the stream's median
-chunk, gives `chunk_delay_quantiles_s`, the host's stalls as the client sees them.
+How late each chunk of a decode run reaches the client against the run's pace (a quadratic fitted to its chunks:
+steps slow as the context grows), past the stream's median chunk, gives `chunk_delay_quantiles_s`, the host's stalls
+as the client sees them, and per batch size `chunk_delay_by_rows`.
 `--served-neighbours N` starts N more such servers and runs the grid again while each of them decodes batches back
 to back: each batch's decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio
 less 1, per neighbour), what `pdserve sim --shared-host` applies to a step per other node mid-step on the machine.
@@ -42,6 +43,8 @@ from pdserve.sim.trace import TraceRequest, prompt_token_ids
 
 FEATURES = ("per_token_s", "per_row_s", "per_context_token_s")
 LONE_PROBES = 4  # lone requests per context after the served grid, for the request latency's median
+DELAY_QUANTILES = 101  # chunk_delay_quantiles_s: 1% apart (the most a profile takes)
+DELAY_MIN_CHUNKS = 50  # chunks a batch size needs for quantiles of its own (chunk_delay_by_rows)
 
 
 def _features(s: StepShape) -> list[float]:
@@ -257,11 +260,18 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
     lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
     served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
-    # how late chunks reach the client past the steady pace of their run (the host's stalls; p99 ITL's tail): 21
-    # quantiles, 0 to 100%
-    served["chunk_delay_quantiles_s"] = [float(x) for x in np.quantile(delays, np.linspace(0, 1, 21))]
+    # how late chunks reach the client past the pace of their run (_lateness): the host's stalls, p99 ITL's tail.
+    # DELAY_QUANTILES quantiles, 0 to 100%: at 21 (5% apart) the top 5% was drawn evenly from p95 to the largest
+    # delay seen, and the small model's simulated p99 ITL read that line (+81% at 1 req/s with an 84 ms maximum)
+    pooled = [x for d in delays.values() for x in d]
+    served["chunk_delay_quantiles_s"] = _delay_quantiles(pooled)
+    # and per streams in flight, where enough chunks were read: a client reading 16 streams lags more than one
+    # reading 1 or 4 (the small model at 1 thread: p99 29 ms against 17 and 11), and the simulator draws by the rows
+    # of the chunk's step
+    served["chunk_delay_by_rows"] = {str(r): _delay_quantiles(d) for r, d in sorted(delays.items())
+                                     if len(d) >= DELAY_MIN_CHUNKS}
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
-              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts), "chunks": len(delays)}
+              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts), "chunks": len(pooled)}
     if beside:
         # the same batches' decode runs with `neighbours` other servers busy throughout: how much longer a step
         # takes per busy neighbour
@@ -275,16 +285,39 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     return served, report
 
 
+def _delay_quantiles(delays: list[float]) -> list[float]:
+    return [float(x) for x in np.quantile(delays, np.linspace(0, 1, DELAY_QUANTILES))] if delays else []
+
+
+def _lateness(times: list[float]) -> list[float]:
+    """Each chunk's lateness (seconds, >= 0) against its run's pace, past the run's typical (median) chunk: the
+    steps already hold the typical gap, so only what comes later than that is a stall. The pace is a least-squares
+    quadratic in the chunk's index, not the run's mean gap: steps grow with the context they read, and against a
+    straight line a run whose gaps only grow reads late at both ends (the small model's 16-row runs gave 30 ms at
+    p95 that way, against a ~35 ms step)."""
+    k = np.arange(len(times), dtype=np.float64)
+    x = np.asarray(times, dtype=np.float64) - times[0]
+    deg = 2 if len(times) >= 5 else 1
+    late = x - np.polyval(np.polyfit(k, x, deg), k)
+    # stalls are late only and would pull the trend after them: fitted again without the chunks that stand out
+    # (later than the typical one by over 3 median deviations)
+    mid = np.median(late)
+    keep = late <= mid + 3 * np.median(np.abs(late - mid))
+    if keep.sum() > deg + 1:
+        late = x - np.polyval(np.polyfit(k[keep], x[keep], deg), k)
+    return [float(v) for v in np.maximum(0.0, late - np.median(late))]
+
+
 def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
                  ) -> tuple[dict[tuple[int, int], tuple[StepShape, float]], list[tuple[StepShape, float]],
-                            list[float]]:
+                            dict[int, list[float]]]:
     """({(rows, context): (the decode run's step shape, its mean gap)}, [(a lone request's prefill shape, its time to
-    the first chunk)], every decode-run chunk's lateness in seconds) of the served batches (fit_served's
-    docstring)."""
+    the first chunk)], {rows: every decode-run chunk's lateness in seconds in batches of that many streams}) of the
+    served batches (fit_served's docstring)."""
     decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
     prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
     runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
-    firsts, delays = [], []
+    firsts, delays = [], {}
     for r, c, t0, streams in batches:
         if r not in decode_shape or any(len(t) < 2 for t in streams):
             continue
@@ -298,11 +331,7 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
             if len(t) - 1 - k0 >= 2:
                 g = (t[-1] - t[k0]) / (len(t) - 1 - k0)
                 spans.append((k0, len(t) - 1, g))
-                # each chunk's lateness against the run's steady pace, past the stream's typical (median) chunk:
-                # the steps already hold the typical gap, so only what comes later than that is a stall
-                late = [x - k * g for k, x in enumerate(t[k0:])]
-                typical = statistics.median(late)
-                delays.extend(max(0.0, x - typical) for x in late)
+                delays.setdefault(r, []).extend(_lateness(t[k0:]))
         if len(spans) == r:
             k0 = statistics.median(a for a, _, _ in spans)
             k1 = statistics.median(b for _, b, _ in spans)

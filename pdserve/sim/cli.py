@@ -310,6 +310,9 @@ def run_calibrate(args) -> int:
         print(f"[calibrate] served: step = {s['step_scale']:.3f} x bare + {1e3 * s['step_overhead_s']:.3f} ms "
               f"({sf['decode_runs']} decode runs, median error {100 * sf['median_rel_error']:.1f}%), request "
               f"latency {1e3 * s['request_latency_s']:.2f} ms ({sf['first_chunks']} lone requests)")
+        tails = [(f"{r} rows", q[-2]) for r, q in s["chunk_delay_by_rows"].items() if len(q) > 2]
+        tails += [("pooled", s["chunk_delay_quantiles_s"][-2])] if len(s["chunk_delay_quantiles_s"]) > 2 else []
+        print("[calibrate] chunk delays at p99: " + ", ".join(f"{1e3 * v:.1f} ms ({r})" for r, v in tails))
         if "neighbour_scale" in s:
             print(f"[calibrate] beside {sf['neighbours']} busy server(s): a step x (1 + {s['neighbour_scale']:.3f} per "
                   f"busy neighbour) ({sf['neighbour_runs']} decode runs, ratios {sf['neighbour_ratio_min']:.2f}-"

@@ -21,7 +21,9 @@ translation, the wire to the engine and back), which the simulator adds where th
 `neighbour_scale` (`--served-neighbours`): on nodes sharing one machine's cores (`pdserve sim --shared-host`), a step
 takes (1 + neighbour_scale x k) times as long when k other nodes are mid-step as it starts, and
 `chunk_delay_quantiles_s`: how late a streamed chunk reaches the client past its step's end (the host's stalls), as
-quantiles at evenly spaced probabilities, drawn per chunk by the simulated client (chunks stay in order).
+quantiles at evenly spaced probabilities, drawn per chunk by the simulated client (chunks stay in order), and
+`chunk_delay_by_rows` the same per number of streams in flight when measured ({"1": [...], "4": [...]}), which a
+chunk from a step of that many rows or more (up to the next) draws from instead.
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
@@ -61,13 +63,22 @@ class Served:
     # how late a streamed chunk reaches the client past its step's end, at evenly spaced probabilities 0..1 (the
     # host's stalls: a process waiting for a core); () none
     chunk_delay_quantiles_s: tuple = ()
+    # the same, measured with `rows` streams in flight: ((rows, quantiles), ...) by rows ascending; () none
+    chunk_delay_by_rows: tuple = ()
 
     def step(self, bare_s: float) -> float:
         return self.step_scale * bare_s + self.step_overhead_s
 
-    def chunk_delay(self, u: float) -> float:
-        """The delay at probability `u` in [0, 1): the quantiles' inverse CDF, linear between them."""
+    def chunk_delay(self, u: float, rows: int = 0) -> float:
+        """The delay at probability `u` in [0, 1) of a chunk from a step of `rows` rows: the quantiles' inverse CDF,
+        linear between them. The quantiles measured at the most streams not above `rows` (the fewest measured
+        below them), else the pooled ones: a client reading 16 streams at once lags more than one reading two."""
         q = self.chunk_delay_quantiles_s
+        if self.chunk_delay_by_rows and rows > 0:
+            q = self.chunk_delay_by_rows[0][1]
+            for r, qr in self.chunk_delay_by_rows:
+                if r <= rows:
+                    q = qr
         if not q:
             return 0.0
         x = u * (len(q) - 1)
@@ -80,17 +91,31 @@ class Served:
             return cls()
         sec = _section(d, "served")
         _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale",
-                    "chunk_delay_quantiles_s"), "served.")
-        q = sec.get("chunk_delay_quantiles_s", [])
-        where = "served.chunk_delay_quantiles_s"
-        if not isinstance(q, list) or len(q) == 1 or len(q) > 101:
-            raise ProfileError(f"{where}: must be a list of 2 to 101 numbers, got {q!r}"[:160])
-        delays = tuple(_number({"": v}, "", f"{where}[{i}]") for i, v in enumerate(q))
-        if any(b < a for a, b in zip(delays, delays[1:])):
-            raise ProfileError(f"{where}: must not decrease (quantiles at evenly spaced probabilities)")
+                    "chunk_delay_quantiles_s", "chunk_delay_by_rows"), "served.")
+        delays = _quantiles(sec.get("chunk_delay_quantiles_s", []), "served.chunk_delay_quantiles_s")
+        by_rows = sec.get("chunk_delay_by_rows", {})
+        where = "served.chunk_delay_by_rows"
+        if not isinstance(by_rows, dict) or len(by_rows) > 64:
+            raise ProfileError(f"{where}: must be an object of at most 64 rows -> quantiles, got {by_rows!r}"[:160])
+        per_rows = []
+        for k, q in by_rows.items():
+            if not (isinstance(k, str) and k.isdigit() and int(k) >= 1):
+                raise ProfileError(f"{where}.{k}: keys must be row counts >= 1"[:160])
+            per_rows.append((int(k), _quantiles(q, f"{where}.{k}")))
         return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
                    *(_number(sec, k, "served.") if k in sec else 0.0
-                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")), delays)
+                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")), delays,
+                   tuple(sorted(per_rows)))
+
+
+def _quantiles(q, where: str) -> tuple:
+    """Delays in seconds at evenly spaced probabilities 0..1: [] (none) or 2 to 101 numbers >= 0, not decreasing."""
+    if not isinstance(q, list) or len(q) == 1 or len(q) > 101:
+        raise ProfileError(f"{where}: must be a list of 2 to 101 numbers, got {q!r}"[:160])
+    delays = tuple(_number({"": v}, "", f"{where}[{i}]") for i, v in enumerate(q))
+    if any(b < a for a, b in zip(delays, delays[1:])):
+        raise ProfileError(f"{where}: must not decrease (quantiles at evenly spaced probabilities)")
+    return delays
 
 
 def _number(d: dict, key: str, where: str, positive: bool = False) -> float:

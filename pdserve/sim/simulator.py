@@ -52,7 +52,8 @@ class ClientView:
     """One trace request as the benchmark client sees it."""
     trace: TraceRequest
     prompt: Optional[list[int]]  # made at arrival, dropped at the end: 100k prompts at once would take GBs
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each streamed chunk
+    # (time, tokens, rows of the step that made it) of each streamed chunk
+    chunks: list[tuple[float, int, int]] = field(default_factory=list)
     finished: Optional[float] = None
     error: str = ""
     # the router's TTFT stages (router/app.py): P's first scheduled step and its answer, D's arrival and first
@@ -84,17 +85,18 @@ class ClientView:
         out["first_token"] = first - self.d_scheduled
         return out
 
-    def result(self, delay: Optional[Callable[[], float]] = None) -> RequestResult:
-        """As the client reads it: each chunk `delay()` late past its step's end (the host's stalls), never before
-        the chunk ahead of it (one stream: a late chunk holds back those behind it, which then arrive together)."""
+    def result(self, delay: Optional[Callable[[int], float]] = None) -> RequestResult:
+        """As the client reads it: each chunk `delay(rows of its step)` late past its step's end (the host's
+        stalls), never before the chunk ahead of it (one stream: a late chunk holds back those behind it, which then
+        arrive together)."""
         t0 = self.trace.arrival_time
         if self.error or self.finished is None or not self.chunks:
             return RequestResult(False, self.trace.prompt_len, 0, error=self.error or "not finished", start=t0)
-        times = [t for t, _ in self.chunks]
+        times = [t for t, _, _ in self.chunks]
         if delay is not None:
-            for k in range(len(times)):
-                times[k] = max(times[k - 1] if k else t0, times[k] + delay())
-        return RequestResult(True, self.trace.prompt_len, sum(n for _, n in self.chunks), times[0] - t0,
+            for k, (_, _, rows) in enumerate(self.chunks):
+                times[k] = max(times[k - 1] if k else t0, times[k] + delay(rows))
+        return RequestResult(True, self.trace.prompt_len, sum(n for _, n, _ in self.chunks), times[0] - t0,
                              [b - a for a, b in zip(times, times[1:])], times[-1] - t0, start=t0)
 
 
@@ -175,7 +177,7 @@ class Simulator:
         results = []
         for v in views:  # each request's own seeded stream of delays: the same however the events interleaved
             rng = random.Random(f"{self.delay_seed}:{v.trace.request_id}")
-            results.append(v.result(lambda: served.chunk_delay(rng.random())))
+            results.append(v.result(lambda rows: served.chunk_delay(rng.random(), rows)))
         return results, max([end] + [r.start + r.latency for r in results if r.success])
 
     def ttft_split_ms(self) -> Optional[dict]:
@@ -249,7 +251,7 @@ class Simulator:
             for rec in lp.records():
                 self.on_step(node, rec)
         if not is_p or self.first_from_p:
-            chunks = [(e, 1) for e in lp.ends]
+            chunks = [(e, 1, len(lp.rows)) for e in lp.ends]
             for req in lp.rows:
                 view = self.owner.get((node.name, req.request_id))
                 if view is not None:
@@ -328,7 +330,7 @@ class Simulator:
             if view is None:
                 continue
             if not is_p or self.first_from_p:  # P's first token goes to the client at once (its way back through the
-                view.chunks.append((rec.end, n))  # router is not modelled: the hop is counted on sends)
+                view.chunks.append((rec.end, n, len(rec.rows)))  # router is not modelled: the hop is counted on sends)
             if req.is_finished:
                 self._finished(node, req, view, rec.end, is_p)
         self._after_step(node, t, rec.end)

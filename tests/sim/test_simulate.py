@@ -293,3 +293,21 @@ def test_the_clients_chunk_delays_stretch_the_itl_tail_not_the_steps():
     assert all(g >= 0 for itl in r["itls"] for g in itl)
     assert r["itl_ms"]["p99"] > plain["itl_ms"]["p99"] + 2.0
     assert abs(r["tpot_ms"]["median"] - plain["tpot_ms"]["median"]) < 0.25 * plain["tpot_ms"]["median"]
+
+
+def test_the_clients_chunk_delays_follow_the_rows_of_the_chunks_step():
+    """chunk_delay_by_rows: lone requests (one row a step) draw from the 1-row quantiles (0: the ITLs of the run
+    without delays), while requests decoding beside others draw from the 2-row ones and their ITLs stretch."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    late = profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0.0, 0.05],
+                                                   "chunk_delay_by_rows": {"1": [0.0, 0.0], "2": [0.0, 0.02]}}})
+    plain = profile_from_dict(LINEAR)
+    lone = random_trace(6, 40, 8, request_rate=0.5, seed=2)  # each done long before the next arrives
+    runs = [simulate(lone, parse_deployment("collocated"), cfg(), p) for p in (plain, late)]
+    assert runs[0]["itls"] == runs[1]["itls"] and runs[0]["ttfts"] == runs[1]["ttfts"]
+    busy = random_trace(30, 40, 16, request_rate=60.0, seed=2)
+    runs = [simulate(busy, parse_deployment("collocated"), cfg(), p) for p in (plain, late)]
+    assert runs[1]["itl_ms"]["p99"] > runs[0]["itl_ms"]["p99"] + 5.0
+    # a gap stretches by at most the 2-row quantiles' 20 ms, never by the pooled ones' 50
+    assert max(g for itl in runs[1]["itls"] for g in itl) < max(g for itl in runs[0]["itls"] for g in itl) + 0.02

@@ -5,9 +5,13 @@
    median time of one call, packed and plain, alternating.
 2. A FULL decode step of a model (default: the tiny one) at 1, 2 and 8 rows, with the rule against every layer
    packed (the code before it), alternating.
+3. The same model's Linears at one row: each alone (its weight hot in cache), summed, against one pass over all of
+   them in the model's order (each weight read after all the others), alternating: where the pass is much slower,
+   a one-row step reads its weights from memory, a floor no change of op dispatch can lower.
 
     .venv/bin/python benchmarks/linear_pack.py                     # ~2 min, 1 thread
     .venv/bin/python benchmarks/linear_pack.py --threads 2 --model qwen3-small-s0
+    .venv/bin/python benchmarks/linear_pack.py --steps-only --threads 2 --out benchmarks/results/linear_pack_pass.json
 
 Writes benchmarks/results/linear_pack.json (--out).
 """
@@ -19,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +67,10 @@ def shapes(reps: int) -> list[dict]:
     return out
 
 
-def full_steps(model: str, reps: int) -> list[dict]:
-    from pdserve import LLM, SamplingParams
+def full_steps(llm, reps: int) -> tuple[list[dict], Callable[[], torch.Tensor]]:
+    """(the FULL steps at 1, 2 and 8 rows, rule against all packed; the one-row step's callable)"""
+    from pdserve import SamplingParams
     from pdserve.model.layers import Linear
-    llm = LLM(model, max_model_len=512)
     fg = llm.engine.runner.full_graphs
     seen, orig = {}, fg.run
     fg.run = lambda desc, layout: (seen.setdefault(desc.num_reqs, (desc, layout)), orig(desc, layout))[1]
@@ -90,7 +95,45 @@ def full_steps(model: str, reps: int) -> list[dict]:
               f"rule/all packed {row['rule_over_all_packed']:.2f}", flush=True)
     for m, mr in zip(lins, rule):
         m.packed_min_rows = mr
-    return out
+    return out, fg.step_callable(*seen[1])
+
+
+def weights_pass(llm, reps: int, step: Callable[[], torch.Tensor]) -> dict:
+    """The model's Linears at one row, as a decode step calls them (their own weights, the rule's kernel): each
+    called alone and over again (its weight stays in this core's caches), summed, against one pass over all of them
+    in the model's order, over again (each weight read after all the others: from memory wherever the whole set
+    does not fit the caches), with the rule and with every weight packed. The pass is the floor of a one-row step
+    with these kernels that no change of op dispatch can lower: only fewer bytes or kernels that read faster can
+    (`pass_gb_s` against the machine's streaming read); `mb` is what it reads."""
+    from pdserve.model.layers import Linear
+    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    xs = [torch.randn(1, m.weight.shape[1]) for m in lins]
+    rule = [m.packed_min_rows for m in lins]
+    got = {"alone_sum": [], "pass": [], "pass_all_packed": [], "step": []}
+
+    def one_pass():
+        for m, x in zip(lins, xs):
+            m(x)
+    with torch.inference_mode():
+        for r in range(reps):
+            for kind in (list(got) if r % 2 == 0 else list(got)[::-1]):
+                for m, mr in zip(lins, rule):
+                    m.packed_min_rows = 1 if kind == "pass_all_packed" else mr
+                got[kind].append(sum(per_call_us(lambda: m(x), 300) for m, x in zip(lins, xs))
+                                 if kind == "alone_sum" else per_call_us(step if kind == "step" else one_pass, 200))
+    for m, mr in zip(lins, rule):
+        m.packed_min_rows = mr
+    mb = sum(m.weight.numel() * m.weight.element_size() for m in lins) / 1e6
+    row = {"linears": len(lins), "mb": mb, **{k: statistics.median(v) / 1e3 for k, v in got.items()}}
+    # this VM's memory moves by 2-3x within minutes: each round's pass against the same round's step
+    row["pass_over_step"] = statistics.median(p / t for p, t in zip(got["pass"], got["step"]))
+    row["pass_over_alone"] = row["pass"] / row["alone_sum"]
+    row["pass_gb_s"] = mb / 1e3 / (row["pass"] / 1e3)
+    print(f"{len(lins)} Linears at 1 row, {mb:.1f} MB of weights: each alone (summed) {row['alone_sum']:.3f} ms, "
+          f"one pass over all {row['pass']:.3f} ms ({row['pass_over_alone']:.2f}x, {row['pass_gb_s']:.1f} GB/s), "
+          f"all packed {row['pass_all_packed']:.3f} ms; the one-row FULL step {row['step']:.3f} ms, the pass "
+          f"{row['pass_over_step']:.0%} of it (median over rounds)", flush=True)
+    return row
 
 
 def main() -> None:
@@ -100,13 +143,20 @@ def main() -> None:
                    help="Model for the FULL step part: a directory or a name under ~/.cache/pdserve/models "
                         "(default: qwen3-tiny-s0, made if missing).")
     p.add_argument("--reps", type=int, default=4, help="Alternating repetitions of each pair (default: 4).")
+    p.add_argument("--steps-only", action="store_true",
+                   help="Skip part 1 (the shapes alone): only the FULL steps and the weights pass (~30 s).")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "linear_pack.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from pdserve.model.make_model import ensure_model, pdserve_home
     model = str(ensure_model("qwen3", "tiny", 0)) if args.model is None else \
         args.model if os.path.isdir(args.model) else str(pdserve_home() / "models" / args.model)
-    write_result(args.out, args, shapes=shapes(args.reps), full_steps=full_steps(model, args.reps))
+    from pdserve import LLM
+    got = {"shapes": [] if args.steps_only else shapes(args.reps)}
+    llm = LLM(model, max_model_len=512)
+    got["full_steps"], step = full_steps(llm, args.reps)
+    got["weights_pass"] = weights_pass(llm, 2 * args.reps, step)
+    write_result(args.out, args, **got)
 
 
 if __name__ == "__main__":

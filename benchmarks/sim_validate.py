@@ -12,6 +12,8 @@ against the issue's bounds (20%, 10%, 25%, 1 percentage point).
 
     .venv/bin/python benchmarks/sim_validate.py                        # demo model, ~5 min on 2 cores
     .venv/bin/python benchmarks/sim_validate.py --models tiny,small --rates 2,8
+    .venv/bin/python benchmarks/sim_validate.py --work-dir /tmp/sv                 # keep the profiles and real runs,
+    .venv/bin/python benchmarks/sim_validate.py --work-dir /tmp/sv --resimulate    # then simulate them again (s)
 
 Run it on a quiet machine: the real runs are timed. Writes benchmarks/results/sim_validate.json (each run's files
 under --work-dir).
@@ -82,8 +84,14 @@ def main() -> int:
                     help="Simulate P and D each on a machine of its own (no --shared-host, no neighbour measured), "
                          "as before the neighbour model; here they share 2 cores.")
     ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
+    ap.add_argument("--resimulate", action="store_true",
+                    help="Only simulate again, against the profiles and real runs an earlier run left in --work-dir "
+                         "(the same --models, --arms, --rates, workload and --rounds): a change to the simulator "
+                         "read against the same real figures, in seconds.")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sim_validate.json"))
     args = ap.parse_args()
+    if args.resimulate and not args.work_dir:
+        ap.error("--resimulate needs the --work-dir of an earlier run")
     from pdserve.model.make_model import ensure_model
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-validate-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -100,12 +108,15 @@ def main() -> int:
             profiles[threads] = work / f"{size}_threads{threads}.json"
             # a node with fewer threads than cores has a neighbour here (P beside D): measured beside one
             beside = ["--served-neighbours", "1"] if threads < cpus and not (args.bare or args.lone) else []
+            if args.resimulate:
+                continue
             pdserve("sim", "calibrate", "--model", model, "--out", str(profiles[threads]),
                     *([] if args.bare else ["--served"]), *beside, env={"OMP_NUM_THREADS": str(threads)})
         print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
         reals = [work / f"{size}_real{i}" for i in range(args.rounds)]
         t0 = time.monotonic()
-        for real in reals:  # whole bench pd runs one after another: each round has every arm and rate
+        # whole bench pd runs one after another: each round has every arm and rate
+        for real in [] if args.resimulate else reals:
             pdserve("bench", "pd", "--model", model, "--arms", ",".join(arms), "--rates", args.rates, *workload,
                     "--disable-tqdm", "--result-dir", str(real))
         print(f"{size}: real runs in {time.monotonic() - t0:.0f} s", flush=True)

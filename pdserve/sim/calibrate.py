@@ -268,14 +268,17 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     # and per streams in flight, where enough chunks were read: a client reading 16 streams lags more than one
     # reading 1 or 4 (the small model at 1 thread: p99 29 ms against 17 and 11), and the simulator draws by the rows
     # of the chunk's step
-    served["chunk_delay_by_rows"] = {str(r): _delay_quantiles(d) for r, d in sorted(delays.items())
-                                     if len(d) >= DELAY_MIN_CHUNKS}
+    served["chunk_delay_by_rows"] = _delays_by_rows(delays)
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
               "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts), "chunks": len(pooled)}
     if beside:
         # the same batches' decode runs with `neighbours` other servers busy throughout: how much longer a step
         # takes per busy neighbour
-        paired, _, _ = _decode_runs(beside, bare)
+        paired, _, near = _decode_runs(beside, bare)
+        # how late chunks come while a neighbour is busy: the tiny model at 1 thread, p99 3.6 ms for one stream
+        # beside one against 1.2 alone (the simulator draws these where nodes share a host, --shared-host)
+        served["neighbour_chunk_delay_quantiles_s"] = _delay_quantiles([x for d in near.values() for x in d])
+        served["neighbour_chunk_delay_by_rows"] = _delays_by_rows(near)
         ratios = [paired[k][1] / gaps[k][1] for k in paired if k in gaps]
         if not ratios:
             raise ValueError("the batches beside a neighbour gave no decode run to compare: widen the grid")
@@ -287,6 +290,10 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
 
 def _delay_quantiles(delays: list[float]) -> list[float]:
     return [float(x) for x in np.quantile(delays, np.linspace(0, 1, DELAY_QUANTILES))] if delays else []
+
+
+def _delays_by_rows(delays: dict[int, list[float]]) -> dict[str, list[float]]:
+    return {str(r): _delay_quantiles(d) for r, d in sorted(delays.items()) if len(d) >= DELAY_MIN_CHUNKS}
 
 
 def _lateness(times: list[float]) -> list[float]:

@@ -23,7 +23,9 @@ takes (1 + neighbour_scale x k) times as long when k other nodes are mid-step as
 `chunk_delay_quantiles_s`: how late a streamed chunk reaches the client past its step's end (the host's stalls), as
 quantiles at evenly spaced probabilities, drawn per chunk by the simulated client (chunks stay in order), and
 `chunk_delay_by_rows` the same per number of streams in flight when measured ({"1": [...], "4": [...]}), which a
-chunk from a step of that many rows or more (up to the next) draws from instead.
+chunk from a step of that many rows or more (up to the next) draws from instead; `neighbour_chunk_delay_quantiles_s`
+and `neighbour_chunk_delay_by_rows` the same measured beside a busy neighbour (`--served-neighbours`), drawn for
+every chunk where several nodes share the host (`pdserve sim --shared-host`).
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
@@ -65,18 +67,25 @@ class Served:
     chunk_delay_quantiles_s: tuple = ()
     # the same, measured with `rows` streams in flight: ((rows, quantiles), ...) by rows ascending; () none
     chunk_delay_by_rows: tuple = ()
+    # both again, measured beside a busy neighbour (`--served-neighbours`), drawn for every chunk where several nodes
+    # share the host (`--shared-host`); () none: the lone ones stand in
+    neighbour_chunk_delay_quantiles_s: tuple = ()
+    neighbour_chunk_delay_by_rows: tuple = ()
 
     def step(self, bare_s: float) -> float:
         return self.step_scale * bare_s + self.step_overhead_s
 
-    def chunk_delay(self, u: float, rows: int = 0) -> float:
-        """The delay at probability `u` in [0, 1) of a chunk from a step of `rows` rows: the quantiles' inverse CDF,
-        linear between them. The quantiles measured at the most streams not above `rows` (the fewest measured
-        below them), else the pooled ones: a client reading 16 streams at once lags more than one reading two."""
-        q = self.chunk_delay_quantiles_s
-        if self.chunk_delay_by_rows and rows > 0:
-            q = self.chunk_delay_by_rows[0][1]
-            for r, qr in self.chunk_delay_by_rows:
+    def chunk_delay(self, u: float, rows: int = 0, beside: bool = False) -> float:
+        """The delay at probability `u` in [0, 1) of a chunk from a step of `rows` rows (`beside`: on a host other
+        nodes share; its quantiles where the profile has them): the quantiles' inverse CDF, linear between them.
+        The quantiles measured at the most streams not above `rows` (the fewest measured below them), else the
+        pooled ones: a client reading 16 streams at once lags more than one reading two."""
+        q, by_rows = self.chunk_delay_quantiles_s, self.chunk_delay_by_rows
+        if beside and self.neighbour_chunk_delay_quantiles_s:
+            q, by_rows = self.neighbour_chunk_delay_quantiles_s, self.neighbour_chunk_delay_by_rows
+        if by_rows and rows > 0:
+            q = by_rows[0][1]
+            for r, qr in by_rows:
                 if r <= rows:
                     q = qr
         if not q:
@@ -91,21 +100,26 @@ class Served:
             return cls()
         sec = _section(d, "served")
         _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale",
-                    "chunk_delay_quantiles_s", "chunk_delay_by_rows"), "served.")
-        delays = _quantiles(sec.get("chunk_delay_quantiles_s", []), "served.chunk_delay_quantiles_s")
-        by_rows = sec.get("chunk_delay_by_rows", {})
-        where = "served.chunk_delay_by_rows"
-        if not isinstance(by_rows, dict) or len(by_rows) > 64:
-            raise ProfileError(f"{where}: must be an object of at most 64 rows -> quantiles, got {by_rows!r}"[:160])
-        per_rows = []
-        for k, q in by_rows.items():
-            if not (isinstance(k, str) and k.isdigit() and int(k) >= 1):
-                raise ProfileError(f"{where}.{k}: keys must be row counts >= 1"[:160])
-            per_rows.append((int(k), _quantiles(q, f"{where}.{k}")))
+                    "chunk_delay_quantiles_s", "chunk_delay_by_rows", "neighbour_chunk_delay_quantiles_s",
+                    "neighbour_chunk_delay_by_rows"), "served.")
+        delays = [(_quantiles(sec.get(f"{kind}chunk_delay_quantiles_s", []), f"served.{kind}chunk_delay_quantiles_s"),
+                   _by_rows(sec.get(f"{kind}chunk_delay_by_rows", {}), f"served.{kind}chunk_delay_by_rows"))
+                  for kind in ("", "neighbour_")]
         return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
                    *(_number(sec, k, "served.") if k in sec else 0.0
-                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")), delays,
-                   tuple(sorted(per_rows)))
+                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")), *delays[0], *delays[1])
+
+
+def _by_rows(by_rows, where: str) -> tuple:
+    """{"rows": quantiles, ...} -> ((rows, quantiles), ...) by rows ascending."""
+    if not isinstance(by_rows, dict) or len(by_rows) > 64:
+        raise ProfileError(f"{where}: must be an object of at most 64 rows -> quantiles, got {by_rows!r}"[:160])
+    per_rows = []
+    for k, q in by_rows.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) >= 1):
+            raise ProfileError(f"{where}.{k}: keys must be row counts >= 1"[:160])
+        per_rows.append((int(k), _quantiles(q, f"{where}.{k}")))
+    return tuple(sorted(per_rows))
 
 
 def _quantiles(q, where: str) -> tuple:

@@ -154,6 +154,10 @@ def test_a_served_section_scales_the_step_and_is_checked_by_name():
                                 ("chunk_delay_by_rows", {"4": [0.002, 0.001]}, "served.chunk_delay_by_rows.4: must "
                                                                                "not decrease"),
                                 ("chunk_delay_by_rows", {"4": [0, -1]}, "served.chunk_delay_by_rows.4[1]: must be"),
+                                ("neighbour_chunk_delay_by_rows", {"x": [0, 1]},
+                                 "served.neighbour_chunk_delay_by_rows.x: keys must be"),
+                                ("neighbour_chunk_delay_quantiles_s", [1, 0],
+                                 "served.neighbour_chunk_delay_quantiles_s: must not decrease"),
                                 ("step_offset_s", 1, "served.step_offset_s: unknown field")):
         with pytest.raises(ProfileError, match=re.escape(named)):
             profile_from_dict({**LINEAR, "served": {field: value}})
@@ -239,6 +243,7 @@ def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir):
     # the grid's 2 lone requests and LONE_PROBES more per context (repeats: the synthetic test)
     assert 2 <= f["decode_runs"] <= 4 and f["first_chunks"] == 2 + 2 * LONE_PROBES
     assert len(s["chunk_delay_quantiles_s"]) == 101 and f["chunks"] > 0
+    assert len(s["neighbour_chunk_delay_quantiles_s"]) == 101  # the same grid's chunks beside the busy server
     shape = StepShape("FULL", 2, 2, 2, 40, 40)
     assert p.step_time(shape) == pytest.approx(s["step_scale"] * p.bare_step_time(shape) + s["step_overhead_s"])
     with pytest.raises(ValueError, match="--served needs 1 in --rows"):
@@ -288,6 +293,14 @@ def test_chunk_delays_are_drawn_by_the_rows_in_flight():
     assert [served.chunk_delay(0.5, r) for r in (1, 2, 3, 4, 15, 16, 200)] == \
         pytest.approx([0.001, 0.001, 0.001, 0.002, 0.002, 0.008, 0.008])
     assert served.chunk_delay(0.5) == pytest.approx(0.05)
+    # beside busy neighbours: their quantiles where the profile has them, else the lone ones stand in
+    assert served.chunk_delay(0.5, 4, beside=True) == pytest.approx(0.002)
+    near = profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0, 0.1],
+                                                   "chunk_delay_by_rows": {"1": [0, 0.001]},
+                                                   "neighbour_chunk_delay_quantiles_s": [0, 0.3],
+                                                   "neighbour_chunk_delay_by_rows": {"1": [0, 0.03]}}}).served
+    assert [near.chunk_delay(0.5, 1, b) for b in (False, True)] == pytest.approx([0.0005, 0.015])
+    assert near.chunk_delay(0.5, 0, True) == pytest.approx(0.15)
     assert profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0, 0.1]}}).served.chunk_delay(
         0.5, 4) == pytest.approx(0.05)
 
@@ -317,3 +330,24 @@ def test_fit_served_keeps_delay_quantiles_per_batch_size_with_enough_chunks():
     assert served["chunk_delay_quantiles_s"][-1] == pytest.approx(0.02, abs=1e-3)
     assert report["chunks"] == 17 * (8 + 12 + 2)
     assert profile_from_dict({**LINEAR, "served": served}).served.chunk_delay(0.999, 1) < 1e-9
+
+
+def test_fit_served_reads_chunk_delays_beside_busy_neighbours_apart():
+    """The grid's streams alone on pace, beside a busy neighbour each with a 20 ms stall: the lone delays are 0,
+    the neighbour ones hold the stall (pooled and per batch size)."""
+    from pdserve.sim.calibrate import fit_served
+    bare_p = profile_from_dict(LINEAR)
+    bare = [(StepShape("FULL", 1, 1, 1, 65, 65), 0.0), (StepShape("PIECEWISE", 64, 64, 1, 64, 64), 0.0)]
+
+    def batches(stall: float) -> list:
+        out = []
+        for n in range(8):
+            times = [0.01 + 0.004 * k for k in range(17)]
+            times[4 + n] += stall
+            out.append((1, 64 if n % 2 else 128, 0.0, [times]))
+        return out
+    served, _ = fit_served(batches(0.0), bare, bare_p.bare_step_time, batches(0.02), 1)
+    assert max(served["chunk_delay_quantiles_s"]) < 1e-9 and max(served["chunk_delay_by_rows"]["1"]) < 1e-9
+    assert served["neighbour_chunk_delay_quantiles_s"][-1] == pytest.approx(0.02, abs=1e-3)
+    assert served["neighbour_chunk_delay_by_rows"]["1"][-1] == pytest.approx(0.02, abs=1e-3)
+    assert "neighbour_chunk_delay_quantiles_s" not in fit_served(batches(0.0), bare, bare_p.bare_step_time)[0]

@@ -311,3 +311,23 @@ def test_the_clients_chunk_delays_follow_the_rows_of_the_chunks_step():
     assert runs[1]["itl_ms"]["p99"] > runs[0]["itl_ms"]["p99"] + 5.0
     # a gap stretches by at most the 2-row quantiles' 20 ms, never by the pooled ones' 50
     assert max(g for itl in runs[1]["itls"] for g in itl) < max(g for itl in runs[0]["itls"] for g in itl) + 0.02
+
+
+def test_nodes_sharing_a_host_draw_the_chunk_delays_measured_beside_a_neighbour():
+    """served.neighbour_chunk_delay_*: 1P1D with --shared-host draws them for every chunk; the same deployment on
+    hosts of their own and a lone collocated node on a shared host draw the lone ones (0 here): their ITLs are
+    those of the run without delays."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    near = profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0.0, 0.0],
+                                                   "neighbour_chunk_delay_quantiles_s": [0.0, 0.02]}})
+    plain = profile_from_dict(LINEAR)
+    trace = random_trace(20, 40, 12, request_rate=20.0, seed=3)
+    lone = [simulate(trace, parse_deployment("collocated"), cfg(), p, shared_host=True) for p in (plain, near)]
+    assert lone[0]["itls"] == lone[1]["itls"]
+    apart = [simulate(trace, parse_deployment("1p1d"), cfg(), p, transfer=FAST) for p in (plain, near)]
+    assert apart[0]["itls"] == apart[1]["itls"]
+    shared = [simulate(trace, parse_deployment("1p1d"), cfg(), p, transfer=FAST, shared_host=True)
+              for p in (plain, near)]
+    assert shared[1]["itl_ms"]["p99"] > shared[0]["itl_ms"]["p99"] + 5.0
+    assert shared[1]["graph"] == shared[0]["graph"] and shared[1]["output_lens"] == shared[0]["output_lens"]

@@ -14,6 +14,7 @@ against the issue's bounds (20%, 10%, 25%, 1 percentage point).
     .venv/bin/python benchmarks/sim_validate.py --models tiny,small --rates 2,8
     .venv/bin/python benchmarks/sim_validate.py --work-dir /tmp/sv                 # keep the profiles and real runs,
     .venv/bin/python benchmarks/sim_validate.py --work-dir /tmp/sv --resimulate    # then simulate them again (s)
+    .venv/bin/python benchmarks/sim_validate.py --rounds 3 --interleave  # 3 x (calibrate, real, sim), each its own
 
 Run it on a quiet machine: the real runs are timed. Writes benchmarks/results/sim_validate.json (each run's files
 under --work-dir).
@@ -84,6 +85,10 @@ def main() -> int:
                     help="Simulate P and D each on a machine of its own (no --shared-host, no neighbour measured), "
                          "as before the neighbour model; here they share 2 cores.")
     ap.add_argument("--work-dir", default=None, help="Where the runs go (default: a temp dir).")
+    ap.add_argument("--interleave", action="store_true",
+                    help="With --rounds N: each round calibrates afresh, runs for real and is simulated on its own "
+                         "profiles, and is compared with its own real run (a calibration and the run it is read "
+                         "against a minute apart, N times), instead of one calibration against the median of N runs.")
     ap.add_argument("--resimulate", action="store_true",
                     help="Only simulate again, against the profiles and real runs an earlier run left in --work-dir "
                          "(the same --models, --arms, --rates, workload and --rounds): a change to the simulator "
@@ -100,46 +105,52 @@ def main() -> int:
     workload = ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.random_input_len),
                 "--random-output-len", str(args.random_output_len), "--seed", str(args.seed)]
     rows = []
+    # --interleave: round i calibrates, runs for real and is simulated on its own profiles (the pairs a minute apart)
+    pairs = args.rounds if args.interleave else 1
     for size in args.models.split(","):
         model = str(ensure_model("qwen3", size, 0))
-        t0 = time.monotonic()
-        profiles = {}
-        for threads in sorted({cpus, max(1, cpus // 2)}):  # as bench pd's launcher gives them (launch())
-            profiles[threads] = work / f"{size}_threads{threads}.json"
-            # a node with fewer threads than cores has a neighbour here (P beside D): measured beside one
-            beside = ["--served-neighbours", "1"] if threads < cpus and not (args.bare or args.lone) else []
-            if args.resimulate:
-                continue
-            pdserve("sim", "calibrate", "--model", model, "--out", str(profiles[threads]),
-                    *([] if args.bare else ["--served"]), *beside, env={"OMP_NUM_THREADS": str(threads)})
-        print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
+        profiles: dict[tuple[int, int], Path] = {}
         reals = [work / f"{size}_real{i}" for i in range(args.rounds)]
-        t0 = time.monotonic()
-        # whole bench pd runs one after another: each round has every arm and rate
-        for real in [] if args.resimulate else reals:
-            pdserve("bench", "pd", "--model", model, "--arms", ",".join(arms), "--rates", args.rates, *workload,
-                    "--disable-tqdm", "--result-dir", str(real))
-        print(f"{size}: real runs in {time.monotonic() - t0:.0f} s", flush=True)
-        for arm in arms:
-            threads = cpus if arm == "collocated" else max(1, cpus // 2)
-            sim = work / f"{size}_sim_{arm}"
-            shared = ["--shared-host"] if arm != "collocated" and not (args.bare or args.lone) else []
-            pdserve("sim", "--profile", str(profiles[threads]), *SIM_DEPLOYMENT[arm], *shared,
-                    "--request-rate", args.rates,
-                    *workload, "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s",
-                    str(args.kv_bandwidth_gb_s), "--router-latency-ms", str(args.router_latency_ms), "--quiet",
-                    "--result-dir", str(sim))
-            for rate in rates:
-                rounds = [per_rate(real, arm, rate) for real in reals]
-                r, s = median_of(rounds), per_rate(sim, arm, rate)  # the sim names arms as bench pd
-                row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s, "real_rounds": rounds}
-                for k, bound in BOUNDS.items():
-                    row[k + "_error"] = (s[k] - r[k]) / r[k]
-                    row[k + "_ok"] = abs(row[k + "_error"]) <= bound
-                if r["non_full_share"] is not None and s["non_full_share"] is not None:
-                    row["non_full_pp"] = 100 * (s["non_full_share"] - r["non_full_share"])
-                    row["non_full_ok"] = abs(row["non_full_pp"]) <= 1.0
-                rows.append(row)
+        for i in range(pairs):
+            t0 = time.monotonic()
+            for threads in sorted({cpus, max(1, cpus // 2)}):  # as bench pd's launcher gives them (launch())
+                profiles[i, threads] = work / (f"{size}_threads{threads}" + (f"_r{i}" if args.interleave else "") +
+                                               ".json")
+                # a node with fewer threads than cores has a neighbour here (P beside D): measured beside one
+                beside = ["--served-neighbours", "1"] if threads < cpus and not (args.bare or args.lone) else []
+                if args.resimulate:
+                    continue
+                pdserve("sim", "calibrate", "--model", model, "--out", str(profiles[i, threads]),
+                        *([] if args.bare else ["--served"]), *beside, env={"OMP_NUM_THREADS": str(threads)})
+            print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
+            t0 = time.monotonic()
+            # whole bench pd runs one after another: each round has every arm and rate
+            for real in [] if args.resimulate else reals[i:i + 1] if args.interleave else reals:
+                pdserve("bench", "pd", "--model", model, "--arms", ",".join(arms), "--rates", args.rates, *workload,
+                        "--disable-tqdm", "--result-dir", str(real))
+            print(f"{size}: real runs in {time.monotonic() - t0:.0f} s", flush=True)
+        for i in range(pairs):
+            for arm in arms:
+                threads = cpus if arm == "collocated" else max(1, cpus // 2)
+                sim = work / (f"{size}_sim_{arm}" + (f"_r{i}" if args.interleave else ""))
+                shared = ["--shared-host"] if arm != "collocated" and not (args.bare or args.lone) else []
+                pdserve("sim", "--profile", str(profiles[i, threads]), *SIM_DEPLOYMENT[arm], *shared,
+                        "--request-rate", args.rates,
+                        *workload, "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s",
+                        str(args.kv_bandwidth_gb_s), "--router-latency-ms", str(args.router_latency_ms), "--quiet",
+                        "--result-dir", str(sim))
+                for rate in rates:
+                    rounds = [per_rate(real, arm, rate) for real in (reals[i:i + 1] if args.interleave else reals)]
+                    r, s = median_of(rounds), per_rate(sim, arm, rate)  # the sim names arms as bench pd
+                    row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s, "real_rounds": rounds,
+                           "round": i if args.interleave else None}
+                    for k, bound in BOUNDS.items():
+                        row[k + "_error"] = (s[k] - r[k]) / r[k]
+                        row[k + "_ok"] = abs(row[k + "_error"]) <= bound
+                    if r["non_full_share"] is not None and s["non_full_share"] is not None:
+                        row["non_full_pp"] = 100 * (s["non_full_share"] - r["non_full_share"])
+                        row["non_full_ok"] = abs(row["non_full_pp"]) <= 1.0
+                    rows.append(row)
     print(f"{'model':>6} {'arm':>11} {'rate':>4} | {'TTFT real':>9} {'sim':>6} {'err':>6} | {'TPOT real':>9} "
           f"{'sim':>5} {'err':>6} | {'p99 ITL real':>12} {'sim':>5} {'err':>6} | {'non-FULL real':>13} {'sim':>6} "
           f"{'pp':>5}")
@@ -147,19 +158,34 @@ def main() -> int:
         r, s = row["real"], row["sim"]
         nf = f"{100 * r['non_full_share']:>12.2f}% {100 * s['non_full_share']:>5.2f}% {row['non_full_pp']:>5.2f}" \
             if "non_full_pp" in row else f"{'-':>13} {'-':>6} {'-':>5}"
-        print(f"{row['model']:>6} {row['arm']:>11} {row['rate']:>4g} | {r['median_ttft_ms']:>9.1f} "
+        arm = row["arm"] + (f" r{row['round']}" if row["round"] is not None else "")
+        print(f"{row['model']:>6} {arm:>11} {row['rate']:>4g} | {r['median_ttft_ms']:>9.1f} "
               f"{s['median_ttft_ms']:>6.1f} {row['median_ttft_ms_error']:>+6.0%} | {r['median_tpot_ms']:>9.2f} "
               f"{s['median_tpot_ms']:>5.2f} {row['median_tpot_ms_error']:>+6.0%} | {r['p99_itl_ms']:>12.1f} "
               f"{s['p99_itl_ms']:>5.1f} {row['p99_itl_ms_error']:>+6.0%} | {nf}")
-    if args.rounds > 1:  # how far the real rounds themselves spread: the bounds read against that
+    if args.rounds > 1 and not args.interleave:  # how far the real rounds spread: the bounds read against that
         print(f"real rounds (min-max): {'model':>6} {'arm':>11} {'rate':>4} | TTFT | TPOT | p99 ITL")
         for row in rows:
             got = {k: [r[k] for r in row["real_rounds"]] for k in BOUNDS}
             spread = " | ".join(f"{min(v):.2f}-{max(v):.2f}" for v in got.values())
             print(f"{'':>21} {row['model']:>6} {row['arm']:>11} {row['rate']:>4g} | {spread}")
     checks = [v for row in rows for k, v in row.items() if k.endswith("_ok")]
-    print(f"{sum(checks)} of {len(checks)} figures within the issue's bounds")
-    write_result(args.out, args, rows=rows, within_bounds=f"{sum(checks)}/{len(checks)}")
+    per_round = {}
+    if args.interleave:  # each pair's count, and each figure's error spread over the pairs
+        for i in range(pairs):
+            got = [v for row in rows if row["round"] == i for k, v in row.items() if k.endswith("_ok")]
+            per_round[i] = f"{sum(got)}/{len(got)}"
+        print("within bounds per round (its own calibration against its own real run): " +
+              ", ".join(f"round {i}: {v}" for i, v in per_round.items()))
+        print(f"error over rounds (min..max): {'model':>6} {'arm':>11} {'rate':>4} | TTFT | TPOT | p99 ITL")
+        for key in dict.fromkeys((row["model"], row["arm"], row["rate"]) for row in rows):
+            mine = [row for row in rows if (row["model"], row["arm"], row["rate"]) == key]
+            spread = " | ".join(f"{min(r[k + '_error'] for r in mine):+.0%}..{max(r[k + '_error'] for r in mine):+.0%}"
+                                for k in BOUNDS)
+            print(f"{'':>29} {key[0]:>6} {key[1]:>11} {key[2]:>4g} | {spread}")
+    print(f"{sum(checks)} of {len(checks)} figures within the issue's bounds" +
+          (f" over {pairs} rounds" if args.interleave else ""))
+    write_result(args.out, args, rows=rows, within_bounds=f"{sum(checks)}/{len(checks)}", per_round=per_round)
     return 0
 
 

@@ -67,17 +67,28 @@ def shapes(reps: int) -> list[dict]:
     return out
 
 
+def linears(llm) -> tuple[list, list[int]]:
+    """The model's Linears and the rule's packed_min_rows of each (what all_packed() puts back)."""
+    from pdserve.model.layers import Linear
+    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    return lins, [m.packed_min_rows for m in lins]
+
+
+def all_packed(lins: list, rule: list[int], on: bool) -> None:
+    """Every Linear on the packed GEMM at every row count (on), or the rule's choice back (off)."""
+    for m, mr in zip(lins, rule):
+        m.packed_min_rows = 1 if on else mr
+
+
 def full_steps(llm, reps: int) -> tuple[list[dict], Callable[[], torch.Tensor]]:
     """(the FULL steps at 1, 2 and 8 rows, rule against all packed; the one-row step's callable)"""
     from pdserve import SamplingParams
-    from pdserve.model.layers import Linear
     fg = llm.engine.runner.full_graphs
     seen, orig = {}, fg.run
     fg.run = lambda desc, layout: (seen.setdefault(desc.num_reqs, (desc, layout)), orig(desc, layout))[1]
     for rows in (1, 2, 8):
         llm.generate(["hello world " * 20] * rows, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
-    rule = [m.packed_min_rows for m in lins]
+    lins, rule = linears(llm)
     out = []
     for rows in sorted(seen):
         step = fg.step_callable(*seen[rows])
@@ -85,16 +96,14 @@ def full_steps(llm, reps: int) -> tuple[list[dict], Callable[[], torch.Tensor]]:
         with torch.inference_mode():
             for r in range(reps):
                 for kind in (("rule", "all_packed") if r % 2 == 0 else ("all_packed", "rule")):
-                    for m, mr in zip(lins, rule):
-                        m.packed_min_rows = mr if kind == "rule" else 1
+                    all_packed(lins, rule, kind == "all_packed")
                     got[kind].append(per_call_us(step, 200) / 1e3)
         row = {"rows": rows, **{k: statistics.median(v) for k, v in got.items()}}
         row["rule_over_all_packed"] = row["rule"] / row["all_packed"]
         out.append(row)
         print(f"FULL step, {rows} row(s): rule {row['rule']:.3f} ms, all packed {row['all_packed']:.3f} ms, "
               f"rule/all packed {row['rule_over_all_packed']:.2f}", flush=True)
-    for m, mr in zip(lins, rule):
-        m.packed_min_rows = mr
+    all_packed(lins, rule, False)
     return out, fg.step_callable(*seen[1])
 
 
@@ -105,10 +114,8 @@ def weights_pass(llm, reps: int, step: Callable[[], torch.Tensor]) -> dict:
     does not fit the caches), with the rule and with every weight packed. The pass is the floor of a one-row step
     with these kernels that no change of op dispatch can lower: only fewer bytes or kernels that read faster can
     (`pass_gb_s` against the machine's streaming read); `mb` is what it reads."""
-    from pdserve.model.layers import Linear
-    lins = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    lins, rule = linears(llm)
     xs = [torch.randn(1, m.weight.shape[1]) for m in lins]
-    rule = [m.packed_min_rows for m in lins]
     got = {"alone_sum": [], "pass": [], "pass_all_packed": [], "step": []}
 
     def one_pass():
@@ -117,12 +124,10 @@ def weights_pass(llm, reps: int, step: Callable[[], torch.Tensor]) -> dict:
     with torch.inference_mode():
         for r in range(reps):
             for kind in (list(got) if r % 2 == 0 else list(got)[::-1]):
-                for m, mr in zip(lins, rule):
-                    m.packed_min_rows = 1 if kind == "pass_all_packed" else mr
+                all_packed(lins, rule, kind == "pass_all_packed")
                 got[kind].append(sum(per_call_us(lambda: m(x), 300) for m, x in zip(lins, xs))
                                  if kind == "alone_sum" else per_call_us(step if kind == "step" else one_pass, 200))
-    for m, mr in zip(lins, rule):
-        m.packed_min_rows = mr
+    all_packed(lins, rule, False)
     mb = sum(m.weight.numel() * m.weight.element_size() for m in lins) / 1e6
     row = {"linears": len(lins), "mb": mb, **{k: statistics.median(v) / 1e3 for k, v in got.items()}}
     # this VM's memory moves by 2-3x within minutes: each round's pass against the same round's step

@@ -263,22 +263,20 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     # how late chunks reach the client past the pace of their run (_lateness): the host's stalls, p99 ITL's tail.
     # DELAY_QUANTILES quantiles, 0 to 100%: at 21 (5% apart) the top 5% was drawn evenly from p95 to the largest
     # delay seen, and the small model's simulated p99 ITL read that line (+81% at 1 req/s with an 84 ms maximum)
-    pooled = [x for d in delays.values() for x in d]
-    served["chunk_delay_quantiles_s"] = _delay_quantiles(pooled)
     # and per streams in flight, where enough chunks were read: a client reading 16 streams lags more than one
     # reading 1 or 4 (the small model at 1 thread: p99 29 ms against 17 and 11), and the simulator draws by the rows
     # of the chunk's step
-    served["chunk_delay_by_rows"] = _delays_by_rows(delays)
+    served.update(_delay_fields(delays, ""))
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
-              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts), "chunks": len(pooled)}
+              "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts),
+              "chunks": sum(len(d) for d in delays.values())}
     if beside:
         # the same batches' decode runs with `neighbours` other servers busy throughout: how much longer a step
         # takes per busy neighbour
         paired, _, near = _decode_runs(beside, bare)
         # how late chunks come while a neighbour is busy: the tiny model at 1 thread, p99 3.6 ms for one stream
         # beside one against 1.2 alone (the simulator draws these where nodes share a host, --shared-host)
-        served["neighbour_chunk_delay_quantiles_s"] = _delay_quantiles([x for d in near.values() for x in d])
-        served["neighbour_chunk_delay_by_rows"] = _delays_by_rows(near)
+        served.update(_delay_fields(near, "neighbour_"))
         ratios = [paired[k][1] / gaps[k][1] for k in paired if k in gaps]
         if not ratios:
             raise ValueError("the batches beside a neighbour gave no decode run to compare: widen the grid")
@@ -288,12 +286,14 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     return served, report
 
 
-def _delay_quantiles(delays: list[float]) -> list[float]:
-    return [float(x) for x in np.quantile(delays, np.linspace(0, 1, DELAY_QUANTILES))] if delays else []
-
-
-def _delays_by_rows(delays: dict[int, list[float]]) -> dict[str, list[float]]:
-    return {str(r): _delay_quantiles(d) for r, d in sorted(delays.items()) if len(d) >= DELAY_MIN_CHUNKS}
+def _delay_fields(delays: dict[int, list[float]], prefix: str) -> dict:
+    """The served section's `{prefix}chunk_delay_quantiles_s` (every chunk) and `{prefix}chunk_delay_by_rows` (each
+    batch size with at least DELAY_MIN_CHUNKS chunks) from {rows: lateness}."""
+    def quantiles(d: list[float]) -> list[float]:
+        return [float(x) for x in np.quantile(d, np.linspace(0, 1, DELAY_QUANTILES))] if d else []
+    return {f"{prefix}chunk_delay_quantiles_s": quantiles([x for d in delays.values() for x in d]),
+            f"{prefix}chunk_delay_by_rows": {str(r): quantiles(d) for r, d in sorted(delays.items())
+                                             if len(d) >= DELAY_MIN_CHUNKS}}
 
 
 def _lateness(times: list[float]) -> list[float]:

@@ -56,36 +56,21 @@ class ProfileError(ValueError):
 
 
 @dataclass(frozen=True)
-class Served:
-    """What serving adds to a bare step and to each request (the module's docstring); identity by default."""
-    step_scale: float = 1.0
-    step_overhead_s: float = 0.0
-    request_latency_s: float = 0.0
-    neighbour_scale: float = 0.0  # per other node mid-step on the same host (--shared-host)
-    # how late a streamed chunk reaches the client past its step's end, at evenly spaced probabilities 0..1 (the
-    # host's stalls: a process waiting for a core); () none
-    chunk_delay_quantiles_s: tuple = ()
-    # the same, measured with `rows` streams in flight: ((rows, quantiles), ...) by rows ascending; () none
-    chunk_delay_by_rows: tuple = ()
-    # both again, measured beside a busy neighbour (`--served-neighbours`), drawn for every chunk where several nodes
-    # share the host (`--shared-host`); () none: the lone ones stand in
-    neighbour_chunk_delay_quantiles_s: tuple = ()
-    neighbour_chunk_delay_by_rows: tuple = ()
+class ChunkDelays:
+    """How late a streamed chunk reaches the client past its step's end (the host's stalls: a process waiting for a
+    core): `quantiles` at evenly spaced probabilities 0..1, and `by_rows` the same measured with `rows` streams in
+    flight, ((rows, quantiles), ...) by rows ascending; () none."""
+    quantiles: tuple = ()
+    by_rows: tuple = ()
 
-    def step(self, bare_s: float) -> float:
-        return self.step_scale * bare_s + self.step_overhead_s
-
-    def chunk_delay(self, u: float, rows: int = 0, beside: bool = False) -> float:
-        """The delay at probability `u` in [0, 1) of a chunk from a step of `rows` rows (`beside`: on a host other
-        nodes share; its quantiles where the profile has them): the quantiles' inverse CDF, linear between them.
-        The quantiles measured at the most streams not above `rows` (the fewest measured below them), else the
-        pooled ones: a client reading 16 streams at once lags more than one reading two."""
-        q, by_rows = self.chunk_delay_quantiles_s, self.chunk_delay_by_rows
-        if beside and self.neighbour_chunk_delay_quantiles_s:
-            q, by_rows = self.neighbour_chunk_delay_quantiles_s, self.neighbour_chunk_delay_by_rows
-        if by_rows and rows > 0:
-            q = by_rows[0][1]
-            for r, qr in by_rows:
+    def draw(self, u: float, rows: int = 0) -> float:
+        """The delay at probability `u` in [0, 1) of a chunk from a step of `rows` rows: the quantiles' inverse CDF,
+        linear between them. The quantiles measured at the most streams not above `rows` (the fewest measured below
+        them), else the pooled ones: a client reading 16 streams at once lags more than one reading two."""
+        q = self.quantiles
+        if self.by_rows and rows > 0:
+            q = self.by_rows[0][1]
+            for r, qr in self.by_rows:
                 if r <= rows:
                     q = qr
         if not q:
@@ -95,6 +80,35 @@ class Served:
         return q[i] + (x - i) * (q[i + 1] - q[i])
 
     @classmethod
+    def from_section(cls, sec: dict, prefix: str) -> "ChunkDelays":
+        """From `served.{prefix}chunk_delay_quantiles_s` and `served.{prefix}chunk_delay_by_rows`."""
+        return cls(_quantiles(sec.get(f"{prefix}chunk_delay_quantiles_s", []),
+                              f"served.{prefix}chunk_delay_quantiles_s"),
+                   _by_rows(sec.get(f"{prefix}chunk_delay_by_rows", {}), f"served.{prefix}chunk_delay_by_rows"))
+
+
+@dataclass(frozen=True)
+class Served:
+    """What serving adds to a bare step and to each request (the module's docstring); identity by default."""
+    step_scale: float = 1.0
+    step_overhead_s: float = 0.0
+    request_latency_s: float = 0.0
+    neighbour_scale: float = 0.0  # per other node mid-step on the same host (--shared-host)
+    chunk_delays: ChunkDelays = ChunkDelays()  # served.chunk_delay_*
+    # the same measured beside a busy neighbour (`--served-neighbours`, served.neighbour_chunk_delay_*), drawn for
+    # every chunk where several nodes share the host (`--shared-host`); none: the lone ones stand in
+    neighbour_chunk_delays: ChunkDelays = ChunkDelays()
+
+    def step(self, bare_s: float) -> float:
+        return self.step_scale * bare_s + self.step_overhead_s
+
+    def chunk_delay(self, u: float, rows: int = 0, beside: bool = False) -> float:
+        """ChunkDelays.draw of the lone delays, or (`beside`: on a host other nodes share) the neighbour ones where
+        the profile has them."""
+        near = self.neighbour_chunk_delays
+        return (near if beside and near.quantiles else self.chunk_delays).draw(u, rows)
+
+    @classmethod
     def from_dict(cls, d: dict) -> "Served":
         if "served" not in d:
             return cls()
@@ -102,12 +116,10 @@ class Served:
         _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale",
                     "chunk_delay_quantiles_s", "chunk_delay_by_rows", "neighbour_chunk_delay_quantiles_s",
                     "neighbour_chunk_delay_by_rows"), "served.")
-        delays = [(_quantiles(sec.get(f"{kind}chunk_delay_quantiles_s", []), f"served.{kind}chunk_delay_quantiles_s"),
-                   _by_rows(sec.get(f"{kind}chunk_delay_by_rows", {}), f"served.{kind}chunk_delay_by_rows"))
-                  for kind in ("", "neighbour_")]
         return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
                    *(_number(sec, k, "served.") if k in sec else 0.0
-                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")), *delays[0], *delays[1])
+                     for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")),
+                   ChunkDelays.from_section(sec, ""), ChunkDelays.from_section(sec, "neighbour_"))
 
 
 def _by_rows(by_rows, where: str) -> tuple:

@@ -125,7 +125,7 @@ class Simulator:
         self.owner: dict[tuple[str, str], ClientView] = {}  # (node, request id) -> the client waiting on it
         self.p_names = {n.name for n in prefill}
         self.leap = leap
-        self.delay_seed = delay_seed  # the client's chunk delays (the profile's served.chunk_delay_quantiles_s)
+        self.delay_seed = delay_seed  # the client's chunk delays (the profile's served.chunk_delay_*)
         # what a send to a node of each pool takes before the node has the request: its profile's
         # served.request_latency_s (HTTP in and out, the request's translation, the wire to the engine) and the
         # router's own hop, where one stands in front
@@ -177,7 +177,7 @@ class Simulator:
         # neighbour; drawn per step (beside only while another node is mid-step) they left the tiny model's 1P1D
         # p99 ITL 21-56% low
         shared = any(n.host is not None and len(n.host) > 1 for n in self.decode_nodes)
-        if served is None or not served.chunk_delay_quantiles_s:
+        if served is None or not served.chunk_delays.quantiles:
             return [v.result() for v in views], end
         results = []
         for v in views:  # each request's own seeded stream of delays: the same however the events interleaved

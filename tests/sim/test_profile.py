@@ -351,3 +351,16 @@ def test_fit_served_reads_chunk_delays_beside_busy_neighbours_apart():
     assert served["neighbour_chunk_delay_quantiles_s"][-1] == pytest.approx(0.02, abs=1e-3)
     assert served["neighbour_chunk_delay_by_rows"]["1"][-1] == pytest.approx(0.02, abs=1e-3)
     assert "neighbour_chunk_delay_quantiles_s" not in fit_served(batches(0.0), bare, bare_p.bare_step_time)[0]
+
+
+def test_a_batch_size_gets_quantiles_of_its_own_from_exactly_delay_min_chunks():
+    """DELAY_MIN_CHUNKS is the edge both ways: that many chunks give a batch size its own quantiles, one fewer
+    leaves it to the pooled ones, which every chunk is in."""
+    from pdserve.sim.calibrate import DELAY_MIN_CHUNKS, DELAY_QUANTILES, _delay_fields
+    got = _delay_fields({3: [0.001] * DELAY_MIN_CHUNKS, 5: [0.002] * (DELAY_MIN_CHUNKS - 1)}, "neighbour_")
+    assert sorted(got) == ["neighbour_chunk_delay_by_rows", "neighbour_chunk_delay_quantiles_s"]
+    assert list(got["neighbour_chunk_delay_by_rows"]) == ["3"]
+    assert got["neighbour_chunk_delay_by_rows"]["3"] == pytest.approx([0.001] * DELAY_QUANTILES)
+    pooled = got["neighbour_chunk_delay_quantiles_s"]
+    assert len(pooled) == DELAY_QUANTILES and pooled[0] == pytest.approx(0.001) and pooled[-1] == pytest.approx(0.002)
+    assert _delay_fields({}, "") == {"chunk_delay_quantiles_s": [], "chunk_delay_by_rows": {}}

@@ -9,12 +9,8 @@ import time
 from pathlib import Path
 
 
-def _make_model_parser(sub) -> None:
+def _make_model_parser(p) -> None:
     from pdserve.model.make_model import ARCHS, SIZES
-    p = sub.add_parser("make-model", help="Build a random-weight model with a locally trained tokenizer (HF layout).",
-                       description="Build a Qwen3- or Llama-shaped model with random weights (fixed seed) and a "
-                                   "byte-level BPE tokenizer trained on Python's standard library sources, in the "
-                                   "Hugging Face layout. Nothing is downloaded.")
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="Architecture (default: qwen3).")
     p.add_argument("--size", choices=SIZES, default="tiny",
                    help="tiny: ~4.5M parameters, for tests; small: ~116M, for benchmarks (default: tiny).")
@@ -26,11 +22,8 @@ def _make_model_parser(sub) -> None:
     p.add_argument("--if-missing", action="store_true", help="Do nothing if --out already holds a complete model.")
 
 
-def _generate_parser(sub) -> None:
+def _generate_parser(p) -> None:
     from pdserve.config import ENGINE_SECTIONS, add_dataclass_args
-    p = sub.add_parser("generate", help="Generate completions offline for one or more prompts.",
-                       description="Run the engine offline (no server) on the given prompts and print the outputs "
-                                   "and throughput.")
     p.add_argument("--model", required=True, help="Local Hugging Face model directory.")
     p.add_argument("--prompt", action="append", default=None, help="A prompt; repeat the flag for a batch.")
     p.add_argument("--prompts-file", default=None, help="A text file with one prompt per line.")
@@ -65,13 +58,9 @@ def _engine_kwargs(args) -> dict:
     return kw
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(p) -> None:
     from pdserve.config import ENGINE_SECTIONS, add_dataclass_args
     from pdserve.serve.server_config import ServerConfig
-    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
-                       description="Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-                                   "/v1/models, /health, /version, /metrics) for a local Hugging Face model "
-                                   "directory.")
     p.add_argument("model_dir", metavar="MODEL_DIR", help="Local Hugging Face model directory.")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="Name(s) the API answers to; the first is reported in responses (default: the model "
@@ -147,11 +136,8 @@ def cmd_serve(args) -> int:
     return _exit_without_teardown(run_server(engine_config, cfg))
 
 
-def _router_parser(sub) -> None:
+def _router_parser(p) -> None:
     from pdserve.router.cli import add_router_args
-    p = sub.add_parser("router", help="Route OpenAI requests through prefill (P) then decode (D) nodes.",
-                       description="P/D router: each request is prefilled on a P (max_tokens=1, KV kept under a "
-                                   "lease), then decoded on a D that pulls the KV; D's answer is streamed back.")
     add_router_args(p)
 
 
@@ -160,11 +146,9 @@ def cmd_router(args) -> int:
     return run_router(args)
 
 
-def _bench_parser(sub) -> None:
+def _bench_parser(p) -> None:
     from pdserve.bench.pd import add_bench_pd_args
     from pdserve.bench.serve import add_bench_serve_args
-    p = sub.add_parser("bench", help="Benchmark a serving endpoint (serve) or the P/D experiment end to end (pd).",
-                       description="Serving benchmarks with vLLM's metric definitions.")
     bench = p.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_args(bench.add_parser(
         "serve", help="Load an OpenAI-compatible endpoint and report TTFT, TPOT, ITL, E2EL and throughput.",
@@ -190,14 +174,8 @@ def cmd_bench(args) -> int:
         return 1
 
 
-def _sim_parser(sub) -> None:
+def _sim_parser(p) -> None:
     from pdserve.sim.cli import add_calibrate_args, add_sim_args
-    p = sub.add_parser("sim", help="Simulate a deployment (collocated or xPyD) over a trace with pdserve's own "
-                                   "scheduler; `sim calibrate` fits a step-time profile.",
-                       description="Discrete-event simulation: every node runs pdserve's own Scheduler, KV cache "
-                                   "manager, block pool and graph dispatcher, the router's own pick policy in front; "
-                                   "only the forward is a step-time profile and the KV transfer a bytes/bandwidth + "
-                                   "latency model. Writes what `bench pd` writes (docs/sim.md).")
     add_sim_args(p)
     sim = p.add_subparsers(dest="sim_command", metavar="{calibrate}")
     add_calibrate_args(sim.add_parser(
@@ -212,16 +190,9 @@ def cmd_sim(args) -> int:
     return run_calibrate(args) if args.sim_command == "calibrate" else run_sim(args)
 
 
-def _plan_parser(sub) -> None:
+def _plan_parser(p) -> None:
     from pdserve.sim.cli import add_plan_args
-    add_plan_args(sub.add_parser(
-        "plan", help="Search the P:D split and node knobs for the most goodput per node (simulated).",
-        description="For a workload (a trace or bench serve's random generator) and SLOs (--goodput, vLLM's "
-                    "form), simulate every candidate deployment of --nodes nodes (collocated and each XpYd) "
-                    "under every combination of the knob lists, each over a sweep of request rates, and rank them "
-                    "by goodput per node (requests/s meeting every SLO, at the candidate's best rate, over its "
-                    "node count). Prints the ranking; writes plan.json, ranking.txt and plan.png (goodput against "
-                    "rate for the best few). docs/sim.md."))
+    add_plan_args(p)
 
 
 def cmd_plan(args) -> int:
@@ -270,20 +241,59 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+# name: (help, description, builder, handler). Only the named command's builder runs: the others' builders import
+# their modules (the router's app alone ~0.5 s), and every server, router and bench process starts through here.
+COMMANDS = {
+    "make-model": ("Build a random-weight model with a locally trained tokenizer (HF layout).",
+                   "Build a Qwen3- or Llama-shaped model with random weights (fixed seed) and a byte-level BPE "
+                   "tokenizer trained on Python's standard library sources, in the Hugging Face layout. Nothing is "
+                   "downloaded.", _make_model_parser, cmd_make_model),
+    "generate": ("Generate completions offline for one or more prompts.",
+                 "Run the engine offline (no server) on the given prompts and print the outputs and throughput.",
+                 _generate_parser, cmd_generate),
+    "serve": ("Serve a model over an OpenAI-compatible HTTP API.",
+              "Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+              "/version, /metrics) for a local Hugging Face model directory.", _serve_parser, cmd_serve),
+    "router": ("Route OpenAI requests through prefill (P) then decode (D) nodes.",
+               "P/D router: each request is prefilled on a P (max_tokens=1, KV kept under a lease), then decoded on "
+               "a D that pulls the KV; D's answer is streamed back.", _router_parser, cmd_router),
+    "bench": ("Benchmark a serving endpoint (serve) or the P/D experiment end to end (pd).",
+              "Serving benchmarks with vLLM's metric definitions.", _bench_parser, cmd_bench),
+    "sim": ("Simulate a deployment (collocated or xPyD) over a trace with pdserve's own scheduler; `sim calibrate` "
+            "fits a step-time profile.",
+            "Discrete-event simulation: every node runs pdserve's own Scheduler, KV cache manager, block pool and "
+            "graph dispatcher, the router's own pick policy in front; only the forward is a step-time profile and "
+            "the KV transfer a bytes/bandwidth + latency model. Writes what `bench pd` writes (docs/sim.md).",
+            _sim_parser, cmd_sim),
+    "plan": ("Search the P:D split and node knobs for the most goodput per node (simulated).",
+             "For a workload (a trace or bench serve's random generator) and SLOs (--goodput, vLLM's form), "
+             "simulate every candidate deployment of --nodes nodes (collocated and each XpYd) under every "
+             "combination of the knob lists, each over a sweep of request rates, and rank them by goodput per node "
+             "(requests/s meeting every SLO, at the candidate's best rate, over its node count). Prints the "
+             "ranking; writes plan.json, ranking.txt and plan.png (goodput against rate for the best few). "
+             "docs/sim.md.", _plan_parser, cmd_plan),
+}
+
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The whole parser, or, when argv names a command first, one whose other commands carry only their help line
+    (what `pdserve --help` lists; `pdserve other --help` builds that one in full)."""
+    argv = sys.argv[1:] if argv is None else argv
+    named = argv[0] if argv and argv[0] in COMMANDS else None
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: a compact LLM serving engine for P/D "
                                      "disaggregation.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _make_model_parser(sub)
-    _generate_parser(sub)
-    _serve_parser(sub)
-    _router_parser(sub)
-    _bench_parser(sub)
-    _sim_parser(sub)
-    _plan_parser(sub)
+    for name, (help_, description, build, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=description)
+        if named in (None, name):
+            build(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
-    handlers = {"make-model": cmd_make_model, "generate": cmd_generate, "serve": cmd_serve, "router": cmd_router,
-                "bench": cmd_bench, "sim": cmd_sim, "plan": cmd_plan}
+    handlers = {name: entry[3] for name, entry in COMMANDS.items()}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:

@@ -43,3 +43,16 @@ def tiny_models(pdserve_home):
 @pytest.fixture(scope="session")
 def qwen3_tiny(tiny_models):
     return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def reference_f64(qwen3_tiny):
+    """The collocated float64 server the P/D files compare their outputs against (their P and D carry F64_COMMON and
+    more). One for the session: each file started its own, ~4 s of CPU each on 2 cores, and only reads it. Started,
+    not yet waited for: a file's fixture waits for it beside its own servers, which start meanwhile."""
+    from tests.server_harness import F64_COMMON, ServerProcess
+    srv = ServerProcess(qwen3_tiny, *F64_COMMON)
+    try:
+        yield srv
+    finally:
+        srv.cleanup()

@@ -127,6 +127,8 @@ def cleanup_all(*procs) -> None:
 
 # ---------------------------------------------------------------------------------------------------- P/D helpers
 KV_TOKEN = "pd-test-token"
+# the flags of the float64 P/D files' nodes, and of the collocated server they compare against (conftest.reference_f64)
+F64_COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
 
 
 class RouterProcess:

@@ -258,3 +258,19 @@ def test_bench_pd_seed_leaves_room_for_every_rate(qwen3_tiny, capsys):
                   capsys)
     assert "--seed must be in [0, 2**32 - 1000 x 3 rates)" in err, err
 
+
+
+def test_only_the_named_command_is_built_and_help_lists_them_all():
+    """`pdserve serve` builds its own parser alone: the router's and the bench's would import their modules into
+    every server process (~0.5 s a start). `pdserve --help` still lists every command with its help line."""
+    import subprocess
+    import sys
+    probe = ("import sys; from pdserve.cli import build_parser; build_parser(['serve', 'm']); "
+             "print(sorted(m for m in sys.modules if m.startswith(('pdserve.router', 'pdserve.bench', "
+             "'pdserve.sim'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    helped = subprocess.run([sys.executable, "-m", "pdserve.cli", "--help"], capture_output=True, text=True).stdout
+    from pdserve.cli import COMMANDS
+    for name, (help_, *_rest) in COMMANDS.items():
+        assert name in helped and help_.split()[0] in helped, (name, helped)

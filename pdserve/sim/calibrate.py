@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -219,7 +220,9 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
             "--max-num-seqs", str(max(rows)), "--max-num-batched-tokens", str(max(8, max(rows) * max(contexts))),
             "--max-cudagraph-capture-size", str(min(512, max(rows) * max(contexts)))]
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
-    dep = Deployment("calibrate", Path(tempfile.mkdtemp(prefix="pdserve-calibrate-")))
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-calibrate-"))
+    dep = Deployment("calibrate", log_dir)
+    measured = False
     try:
         urls = [dep.spawn(f"server{i}", args, free_port(), env) for i in range(1 + neighbours)]
         dep.wait_healthy(300)
@@ -231,14 +234,17 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
         grid += [(1, c) for _ in range(LONE_PROBES) for c in contexts]
         name = Path(model).name
         lone = asyncio.run(_batches(urls[0], name, grid, decode_steps, vocab, progress))[1:]
-        if not neighbours:
-            return lone, []
-
-        busy_rows = sorted(rows)[len(rows) // 2]
-        return lone, asyncio.run(_beside(urls[0], urls[1:], name, grid, decode_steps, vocab, busy_rows,
+        beside = []
+        if neighbours:
+            busy_rows = sorted(rows)[len(rows) // 2]
+            beside = asyncio.run(_beside(urls[0], urls[1:], name, grid, decode_steps, vocab, busy_rows,
                                          min(contexts), progress))[1:]
+        measured = True
+        return lone, beside
     finally:
         dep.stop()
+        if measured:  # the servers' logs are kept only where a failure's message names them
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: Callable[[StepShape], float],

@@ -42,14 +42,14 @@ def fakes(tiny_model_dir: str):
     import pdserve.kv_transfer_config as config
     from pdserve.core import engine, step_pipeline
     from tests.fuzz.fake_connector import NAME
-    model_dir = make_model_dir(tiny_model_dir, Path(tempfile.mkdtemp(prefix="pdserve-fuzz-")) / "fake-model")
     cached = functools.lru_cache(maxsize=None)(engine.load_tokenizer)
-    with quiet(), mock.patch("pdserve.worker.model_runner.load_model", fake_load_model), \
+    with tempfile.TemporaryDirectory(prefix="pdserve-fuzz-") as tmp, quiet(), \
+            mock.patch("pdserve.worker.model_runner.load_model", fake_load_model), \
             mock.patch.object(engine, "load_tokenizer", cached), \
             mock.patch.object(step_pipeline, "time", patched_engine_time()), \
             mock.patch.object(config, "KNOWN_CONNECTORS", config.KNOWN_CONNECTORS + (NAME,)), \
             mock.patch.object(config, "PD_CONNECTORS", config.PD_CONNECTORS + (NAME,)):
-        yield str(model_dir)
+        yield str(make_model_dir(tiny_model_dir, Path(tmp) / "fake-model"))
 
 
 def tolerated() -> frozenset:

@@ -19,13 +19,13 @@ pytestmark = pytest.mark.skipif(not os.access(VLLM_ROUTER, os.X_OK), reason="vll
 
 
 @pytest.fixture(scope="module")
-def dep(qwen3_tiny):
+def dep(qwen3_tiny, reference_f64):
     kv_port = free_port()
     s = {"P": ServerProcess(qwen3_tiny, *COMMON, "--pd-first-token", "prefill", "--kv-transfer-config",
                             kv_config("kv_producer", kv_port=kv_port, kv_lease_seconds=6.0)),
          "D": ServerProcess(qwen3_tiny, *COMMON, "--full-graph-rule", "strict", "--kv-transfer-config",
                             kv_config("kv_consumer", kv_peers=[f"127.0.0.1:{kv_port}"])),
-         "C": ServerProcess(qwen3_tiny, *COMMON)}
+         "C": reference_f64}
     router = None
     try:
         for srv in s.values():
@@ -34,7 +34,7 @@ def dep(qwen3_tiny):
         router.wait_ready()
         yield {**s, "vllm": router}
     finally:
-        cleanup_all(router, *s.values())
+        cleanup_all(router, s["P"], s["D"])
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}], ids=["greedy", "seeded"])

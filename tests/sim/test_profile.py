@@ -227,11 +227,15 @@ def synthetic_batches(rule) -> list:
 
 
 @pytest.mark.timeout(180)
-def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir):
+def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir, tmp_path, monkeypatch):
     """`calibrate --served` end to end: a real `pdserve serve` started and stopped, its streams fitted into a
-    `served` section that loads and says how many decode runs and lone first chunks it read."""
+    `served` section that loads and says how many decode runs and lone first chunks it read; the servers' log
+    folder is gone after a calibration that worked (each run left one behind)."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     d = calibrate(qwen3_tiny_dir, rows=[1, 2], contexts=[8, 24], decode_steps=8, served=True, neighbours=1,
                   served_repeats=1)
+    assert not list(tmp_path.glob("pdserve-calibrate-*"))
     p = profile_from_dict(json.loads(json.dumps(d)))
     s, f = d["served"], d["fit"]["served"]
     assert s["step_scale"] > 0 and s["step_overhead_s"] >= 0 and s["request_latency_s"] >= 0

@@ -12,21 +12,21 @@ import httpx
 import pytest
 
 from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, wait_pools_whole
-from tests.server_harness import cleanup_all
+from tests.server_harness import F64_COMMON, cleanup_all
 
-COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
+COMMON = F64_COMMON
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 MAX_TOKENS = 420  # long enough that the node is still generating when it is killed
 
 
 @pytest.fixture(scope="module")
-def dep(qwen3_tiny):
+def dep(qwen3_tiny, reference_f64):
     kv_port = free_port()
     d_kv = kv_config("kv_consumer", kv_peers=[f"127.0.0.1:{kv_port}"])
     s = {"P": ServerProcess(qwen3_tiny, *COMMON, "--kv-transfer-config", kv_config("kv_producer", kv_port=kv_port)),
          "D1": ServerProcess(qwen3_tiny, *COMMON, "--kv-transfer-config", d_kv),
          "D2": ServerProcess(qwen3_tiny, *COMMON, "--kv-transfer-config", d_kv),
-         "C": ServerProcess(qwen3_tiny, *COMMON)}
+         "C": reference_f64}
     routers = []
     try:
         for srv in s.values():
@@ -37,7 +37,7 @@ def dep(qwen3_tiny):
         s["replay"], s["prefill"] = routers
         yield s
     finally:
-        cleanup_all(*routers, *(s[srv] for srv in ("P", "D1", "D2", "C")))
+        cleanup_all(*routers, *(s[srv] for srv in ("P", "D1", "D2")))
 
 
 def body_of(sampling: dict) -> dict:

@@ -13,20 +13,20 @@ import pytest
 from pdserve.serve.handoff import PROOF_HEADER, handoff_proof
 from tests.server_harness import RouterProcess, ServerProcess, free_port, kv_config, metric, \
     wait_pools_whole
-from tests.server_harness import cleanup_all
+from tests.server_harness import F64_COMMON, cleanup_all
 
-COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
+COMMON = F64_COMMON
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 
 
 @pytest.fixture(scope="module")
-def dep(qwen3_tiny):
+def dep(qwen3_tiny, reference_f64):
     kv_port = free_port()
     s = {"P": ServerProcess(qwen3_tiny, *COMMON, "--kv-transfer-config", kv_config("kv_producer", kv_port=kv_port)),
          # strict: a replay of the last prompt token would count as a prefill step here, a decode of P's token not
          "D": ServerProcess(qwen3_tiny, *COMMON, "--full-graph-rule", "strict", "--kv-transfer-config",
                             kv_config("kv_consumer", kv_peers=[f"127.0.0.1:{kv_port}"])),
-         "C": ServerProcess(qwen3_tiny, *COMMON)}
+         "C": reference_f64}
     router = None
     try:
         for srv in s.values():
@@ -37,7 +37,7 @@ def dep(qwen3_tiny):
         s["R"] = router
         yield s
     finally:
-        cleanup_all(router, *(s[srv] for srv in ("P", "D", "C")))
+        cleanup_all(router, *(s[srv] for srv in ("P", "D")))
 
 
 def ask(url, chat, stream, **extra):

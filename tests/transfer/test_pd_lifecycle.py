@@ -21,15 +21,15 @@ from pdserve.transfer.channel.proof import sign_params
 from pdserve.transfer.channel.proof import prompt_hash
 from tests.server_harness import (KV_TOKEN, RouterProcess, ServerProcess, complete, free_port, kv_config, kv_state,
                                   metric, metrics, wait_pools_whole)
-from tests.server_harness import cleanup_all
+from tests.server_harness import F64_COMMON, cleanup_all
 
 PROMPTS = [f"class Node{i}:\n    def __init__(self):\n" + "        self.x = 1\n" * (i % 4) + "#" * i for i in range(12)]
 STAGES = ("router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "total")
-COMMON = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--dtype", "float64", "--enable-debug-routes")
+COMMON = F64_COMMON
 
 
 @pytest.fixture(scope="module")
-def dep(qwen3_tiny):
+def dep(qwen3_tiny, reference_f64):
     kv_ports = [free_port(), free_port()]
     peers = [f"127.0.0.1:{p}" for p in kv_ports]
     s = {f"P{i + 1}": ServerProcess(qwen3_tiny, *COMMON, "--shutdown-timeout", "8", "--kv-transfer-config",
@@ -37,7 +37,7 @@ def dep(qwen3_tiny):
          for i, port in enumerate(kv_ports)}
     s.update({f"D{i}": ServerProcess(qwen3_tiny, *COMMON, "--kv-transfer-config",
                                      kv_config("kv_consumer", kv_peers=peers)) for i in (1, 2)})
-    s["C"] = ServerProcess(qwen3_tiny, *COMMON)
+    s["C"] = reference_f64
     routers = {}
     try:
         for srv in s.values():
@@ -50,7 +50,7 @@ def dep(qwen3_tiny):
         s["routers"] = routers
         yield s
     finally:
-        cleanup_all(*routers.values(), *(s[name] for name in ("P1", "P2", "D1", "D2", "C")))
+        cleanup_all(*routers.values(), *(s[name] for name in ("P1", "P2", "D1", "D2")))
 
 
 def pools_whole(dep, *names):

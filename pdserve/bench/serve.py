@@ -172,8 +172,8 @@ def _tokenizer(args):
         raise ValueError(f"--tokenizer {path}: not a local directory (nothing is downloaded)")
     try:
         with _signals_deferred():
-            from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(path)
+            from pdserve.core.tokenizer import load_hf_tokenizer
+            return load_hf_tokenizer(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there ({e})") from None
 

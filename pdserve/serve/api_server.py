@@ -72,9 +72,9 @@ class ServerState:
         self.drain: Optional[asyncio.Future] = None  # started by the first SIGTERM/SIGINT
 
     def _load_tokenizer_and_defaults(self) -> None:
-        from transformers import AutoTokenizer
+        from pdserve.core.tokenizer import load_hf_tokenizer
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)  # the server's own: never the engine's
+            self.tokenizer = load_hf_tokenizer(self.model_dir)  # the server's own: never the engine's
         except Exception as e:  # transformers' message runs over many lines and names no file
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"{self.model_dir!r}: cannot load its tokenizer: {why}") from None

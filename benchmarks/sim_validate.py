@@ -48,7 +48,18 @@ def pdserve(*args: str, env: dict | None = None) -> None:
 def per_rate(result_dir: Path, arm: str, rate: float) -> dict:
     d = json.loads((result_dir / f"{arm}_rate{rate:g}.json").read_text())
     graph = d.get("graph") or {}
-    return {k: d[k] for k in BOUNDS} | {"non_full_share": graph.get("non_full_share"), "completed": d["completed"]}
+    return {k: d[k] for k in BOUNDS} | {"non_full_share": graph.get("non_full_share"), "completed": d["completed"]} \
+        | gaps(d.get("itls") or [])
+
+
+def gaps(itls: list[list[float]]) -> dict:
+    """Each request's first inter-token gap apart from the others (ms, medians): in the first-token arm the first
+    is the hand-off (P's token to D's first), and it sets the p99 ITL; the others are D's steps."""
+    import statistics
+    first = [1000 * g[0] for g in itls if g]
+    rest = [1000 * x for g in itls for x in g[1:]]
+    return {"first_gap_median_ms": statistics.median(first) if first else None,
+            "other_gaps_median_ms": statistics.median(rest) if rest else None}
 
 
 def median_of(rounds: list[dict]) -> dict:
@@ -163,6 +174,14 @@ def main() -> int:
               f"{s['median_ttft_ms']:>6.1f} {row['median_ttft_ms_error']:>+6.0%} | {r['median_tpot_ms']:>9.2f} "
               f"{s['median_tpot_ms']:>5.2f} {row['median_tpot_ms_error']:>+6.0%} | {r['p99_itl_ms']:>12.1f} "
               f"{s['p99_itl_ms']:>5.1f} {row['p99_itl_ms_error']:>+6.0%} | {nf}")
+    print(f"gaps (medians, ms): {'model':>6} {'arm':>11} {'rate':>4} | first real {'sim':>5} | others real {'sim':>5}")
+    for row in rows:
+        r, s = row["real"], row["sim"]
+        if r["first_gap_median_ms"] is not None and s["first_gap_median_ms"] is not None:
+            arm = row["arm"] + (f" r{row['round']}" if row["round"] is not None else "")
+            print(f"{'':>18} {row['model']:>6} {arm:>11} {row['rate']:>4g} | {r['first_gap_median_ms']:>10.1f} "
+                  f"{s['first_gap_median_ms']:>5.1f} | {r['other_gaps_median_ms']:>11.2f} "
+                  f"{s['other_gaps_median_ms']:>5.2f}")
     if args.rounds > 1 and not args.interleave:  # how far the real rounds spread: the bounds read against that
         print(f"real rounds (min-max): {'model':>6} {'arm':>11} {'rate':>4} | TTFT | TPOT | p99 ITL")
         for row in rows:

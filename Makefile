@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check pdserve tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15  # the slowest 15 in the log: the suite must stay under CI's 15 minutes
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/offline_throughput.py

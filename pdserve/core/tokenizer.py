@@ -133,7 +133,9 @@ def load_hf_tokenizer(model_dir: str):
     except OSError:
         key = None
     entry = _read_classes().get(key) if key is not None else None
-    if isinstance(entry, list) and len(entry) == 2:
+    # only transformers' own classes: the file names a module to import, and nothing else is ever written there
+    if isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry) and \
+            entry[0].startswith("transformers."):
         try:
             cls = getattr(importlib.import_module(entry[0]), entry[1])
             return cls.from_pretrained(model_dir, _from_auto=True)

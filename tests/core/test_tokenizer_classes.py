@@ -81,6 +81,13 @@ def test_a_bad_entry_or_an_unequal_direct_load_falls_back_and_remembers_nothing(
     out.write_text(json.dumps({key: ["transformers.no_such_module", "Nope"]}))
     same_as_auto(tk.load_hf_tokenizer(model_dir), model_dir)  # AutoTokenizer, then the right class written over
     assert json.loads(out.read_text())[key][1] != "Nope"
+    imported, real = [], tk.importlib.import_module
+    monkeypatch.setattr(tk.importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
+    out.write_text(json.dumps({key: ["json", "JSONDecoder"]}))  # a module outside transformers is never imported
+    same_as_auto(tk.load_hf_tokenizer(model_dir), model_dir)
+    assert "json" not in imported
+    monkeypatch.undo()
+    monkeypatch.setenv("PDSERVE_HOME", str(home))
     out.unlink()
     prints = iter(range(10))
     monkeypatch.setattr(tk, "_fingerprint", lambda tok: next(prints))  # the direct load never equals AutoTokenizer's

@@ -62,6 +62,11 @@ def gaps(itls: list[list[float]]) -> dict:
             "other_gaps_median_ms": statistics.median(rest) if rest else None}
 
 
+def label(row: dict) -> str:
+    """The row's arm, and its round under --interleave."""
+    return row["arm"] + (f" r{row['round']}" if row["round"] is not None else "")
+
+
 def median_of(rounds: list[dict]) -> dict:
     """Each figure's median over the real rounds (a figure's rounds are taken apart: the median TTFT of one round
     and the median TPOT of another may meet in one row)."""
@@ -122,6 +127,8 @@ def main() -> int:
         model = str(ensure_model("qwen3", size, 0))
         profiles: dict[tuple[int, int], Path] = {}
         reals = [work / f"{size}_real{i}" for i in range(args.rounds)]
+        # the real runs pair i is read against: its own under --interleave, else all of them (their median)
+        paired = [reals[i:i + 1] for i in range(pairs)] if args.interleave else [reals]
         for i in range(pairs):
             t0 = time.monotonic()
             for threads in sorted({cpus, max(1, cpus // 2)}):  # as bench pd's launcher gives them (launch())
@@ -136,7 +143,7 @@ def main() -> int:
             print(f"{size}: calibrated in {time.monotonic() - t0:.0f} s", flush=True)
             t0 = time.monotonic()
             # whole bench pd runs one after another: each round has every arm and rate
-            for real in [] if args.resimulate else reals[i:i + 1] if args.interleave else reals:
+            for real in [] if args.resimulate else paired[i]:
                 pdserve("bench", "pd", "--model", model, "--arms", ",".join(arms), "--rates", args.rates, *workload,
                         "--disable-tqdm", "--result-dir", str(real))
             print(f"{size}: real runs in {time.monotonic() - t0:.0f} s", flush=True)
@@ -151,7 +158,7 @@ def main() -> int:
                         str(args.kv_bandwidth_gb_s), "--router-latency-ms", str(args.router_latency_ms), "--quiet",
                         "--result-dir", str(sim))
                 for rate in rates:
-                    rounds = [per_rate(real, arm, rate) for real in (reals[i:i + 1] if args.interleave else reals)]
+                    rounds = [per_rate(real, arm, rate) for real in paired[i]]
                     r, s = median_of(rounds), per_rate(sim, arm, rate)  # the sim names arms as bench pd
                     row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s, "real_rounds": rounds,
                            "round": i if args.interleave else None}
@@ -169,8 +176,7 @@ def main() -> int:
         r, s = row["real"], row["sim"]
         nf = f"{100 * r['non_full_share']:>12.2f}% {100 * s['non_full_share']:>5.2f}% {row['non_full_pp']:>5.2f}" \
             if "non_full_pp" in row else f"{'-':>13} {'-':>6} {'-':>5}"
-        arm = row["arm"] + (f" r{row['round']}" if row["round"] is not None else "")
-        print(f"{row['model']:>6} {arm:>11} {row['rate']:>4g} | {r['median_ttft_ms']:>9.1f} "
+        print(f"{row['model']:>6} {label(row):>11} {row['rate']:>4g} | {r['median_ttft_ms']:>9.1f} "
               f"{s['median_ttft_ms']:>6.1f} {row['median_ttft_ms_error']:>+6.0%} | {r['median_tpot_ms']:>9.2f} "
               f"{s['median_tpot_ms']:>5.2f} {row['median_tpot_ms_error']:>+6.0%} | {r['p99_itl_ms']:>12.1f} "
               f"{s['p99_itl_ms']:>5.1f} {row['p99_itl_ms_error']:>+6.0%} | {nf}")
@@ -178,8 +184,7 @@ def main() -> int:
     for row in rows:
         r, s = row["real"], row["sim"]
         if r["first_gap_median_ms"] is not None and s["first_gap_median_ms"] is not None:
-            arm = row["arm"] + (f" r{row['round']}" if row["round"] is not None else "")
-            print(f"{'':>18} {row['model']:>6} {arm:>11} {row['rate']:>4g} | {r['first_gap_median_ms']:>10.1f} "
+            print(f"{'':>18} {row['model']:>6} {label(row):>11} {row['rate']:>4g} | {r['first_gap_median_ms']:>10.1f} "
                   f"{s['first_gap_median_ms']:>5.1f} | {r['other_gaps_median_ms']:>11.2f} "
                   f"{s['other_gaps_median_ms']:>5.2f}")
     if args.rounds > 1 and not args.interleave:  # how far the real rounds spread: the bounds read against that

@@ -293,9 +293,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    handlers = {name: entry[3] for name, entry in COMMANDS.items()}
     try:
-        return handlers[args.command](args)
+        return COMMANDS[args.command][3](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         name = args.command + (f" {args.bench_command}" if args.command == "bench" else
                                " calibrate" if getattr(args, "sim_command", None) == "calibrate" else "")

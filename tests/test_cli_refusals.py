@@ -259,7 +259,6 @@ def test_bench_pd_seed_leaves_room_for_every_rate(qwen3_tiny, capsys):
     assert "--seed must be in [0, 2**32 - 1000 x 3 rates)" in err, err
 
 
-
 def test_only_the_named_command_is_built_and_help_lists_them_all():
     """`pdserve serve` builds its own parser alone: the router's and the bench's would import their modules into
     every server process (~0.5 s a start). `pdserve --help` still lists every command with its help line."""

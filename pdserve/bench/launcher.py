@@ -25,6 +25,8 @@ from pdserve.bench.http_get import get_json, http_get
 
 
 _POOL = re.compile(r"collocated-x(\d+)")
+# 1P1D arms whose first token comes from P; -early adds the router's --pd-early-decode (pdserve's router only)
+FIRST_TOKEN_ARMS = ("first-token", "first-token-early")
 
 
 def collocated_nodes(arm: str) -> int:
@@ -174,7 +176,8 @@ def vllm_router_program() -> Optional[str]:
 def launch(dep: Deployment, model: str, server_args: list[str], token: str, router: str = "pdserve",
            speculative_config: Optional[str] = None, kv_extra: Optional[dict] = None) -> None:
     """Spawns `dep.arm`: `collocated`, `collocated-xN` (N servers behind pdserve's router), or 1P1D named by D's
-    full-graph rule (`strict`, `default`, `prompt-tail`) or `first-token` (the default rule, the first token from P)
+    full-graph rule (`strict`, `default`, `prompt-tail`) or `first-token` (the default rule, the first token from P;
+    `first-token-early` with the router's early decode)
     behind `router` (pdserve, or vllm-router), with `speculative_config` (JSON) on the node that decodes and
     `kv_extra` merged into both nodes' KV configs.
     Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
@@ -201,9 +204,11 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
     producer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_peers": [f"127.0.0.1:{kv_port}"]}
     producer, consumer = {**producer, **(kv_extra or {})}, {**consumer, **(kv_extra or {})}
-    rule = [] if arm in ("default", "first-token") else ["--full-graph-rule", arm]
+    rule = [] if arm in ("default", *FIRST_TOKEN_ARMS) else ["--full-graph-rule", arm]
     # first-token: P hands D its first token even to a router that does not ask (vllm-router); ours asks
-    first = ["--pd-first-token", "prefill"] if arm == "first-token" else []
+    first = ["--pd-first-token", "prefill"] if arm in FIRST_TOKEN_ARMS else []
+    # first-token-early: the router also sends D the request as it sends P, and D asks P for the hand-off itself
+    early = ["--pd-early-decode"] if arm == "first-token-early" else []
     p = dep.spawn("prefill", [*serve, *first, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
     d = dep.spawn("decode", [*serve, *rule, *spec, "--kv-transfer-config", json.dumps(consumer)], free_port(),
                   env)
@@ -214,5 +219,5 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
                 "--worker-startup-check-interval", "1", "--log-level", "warning"]
         dep.url = dep.spawn("vllm-router", args, free_port(), env, program=[vllm_router_program()])
         return
-    dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, *first, "--log-level", "warning"],
-                        free_port(), env)
+    dep.url = dep.spawn("router", ["router", "--prefill", p, "--decode", d, *first, *early, "--log-level",
+                                   "warning"], free_port(), env)

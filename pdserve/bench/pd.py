@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.launcher import Deployment, collocated_nodes, launch, vllm_router_program
+from pdserve.bench.launcher import FIRST_TOKEN_ARMS, Deployment, collocated_nodes, launch, vllm_router_program
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
 
-ARMS = ("collocated", "default", "first-token", *RULES)
+ARMS = ("collocated", "default", *FIRST_TOKEN_ARMS, *RULES)
 
 
 def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,9 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated arms: collocated, or a 1P1D deployment named by its decode node's "
                         f"--full-graph-rule ({', '.join(RULES)}), or 'default' for 1P1D without the flag (D replays "
                         "the last prompt token), or 'first-token' for 1P1D with the first token from P "
-                        "(--pd-first-token prefill on P and the router; default rule on D), or 'collocated-xN' for N "
+                        "(--pd-first-token prefill on P and the router; default rule on D), or 'first-token-early', "
+                        "the same with the router's --pd-early-decode (D gets the request as P does), or "
+                        "'collocated-xN' for N "
                         "collocated servers behind pdserve's router (a pool without prefill nodes; each server gets "
                         "1/N of the cores, as P and D get half each) "
                         "(default: collocated,strict,default,first-token).")
@@ -91,6 +93,8 @@ def _parse(args) -> tuple[list[str], list[float]]:
         raise ValueError(f"--seed must be in [0, 2**32 - 1000 x {len(rates)} rates)")
     if not 0 < args.ready_timeout < math.inf:  # NaN fails both comparisons
         raise ValueError("--ready-timeout must be a number of seconds > 0")
+    if args.router == "vllm-router" and "first-token-early" in arms:  # vllm-router has no early decode
+        raise ValueError("--arms first-token-early needs --router pdserve (early decode is pdserve's router's)")
     if args.router == "vllm-router" and vllm_router_program() is None:
         raise ValueError("--router vllm-router: the vllm-router executable is not installed "
                          "(pip install vllm-router==0.1.17)")

@@ -38,27 +38,32 @@ def start_bench(tmp_path, marker, *args):
 def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     marker = uuid.uuid4().hex
     proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms",
-                       "collocated,strict,default,first-token,collocated-x2", "--rates", "4,16", "--num-prompts", "6",
+                       "collocated,strict,default,first-token,first-token-early,collocated-x2", "--rates", "4,16",
+                       "--num-prompts", "6",
                        "--random-input-len", "48", "--random-output-len", "12", "--server-args",
                        "--max-model-len 256 --kv-cache-memory-gb 0.05")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-5000:]
     assert not marked_pids(marker), "bench pd left processes behind"
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
-    assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default",
-                                                                      "first-token", "collocated-x2")
+    assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default", "first-token",
+                                                                      "first-token-early", "collocated-x2")
                                                        for q in (4.0, 16.0)}
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in rows)
     for r in rows:
         if r["arm"] == "strict":
             assert r["non_full_reasons"].get("prefill", 0) > 0, r
-        if r["arm"] in ("default", "first-token"):
+        if r["arm"] in ("default", "first-token", "first-token-early"):
             assert r["non_full_steps"] == 0 and r["full_steps"] > 0, r
         if r["arm"] in ("strict", "default"):  # the router's TTFT split came along
             assert {"prefill", "kv_transfer", "decode_queue", "total"} <= set(r["router_ttft_split_ms"]), r
-        if r["arm"] == "first-token":  # the first token is P's: the transfer and D are not in the TTFT
+        if r["arm"].startswith("first-token"):  # the first token is P's: the transfer and D are not in the TTFT
             assert {"prefill", "first_token_from_prefill", "total"} <= set(r["router_ttft_split_ms"]), r
             assert "kv_transfer" not in r["router_ttft_split_ms"], r
+    # early decode: D asked P for each streamed request's hand-off (2 warm-up + 2 x 6), and only in that arm
+    handoffs = {arm: (tmp_path / "logs" / f"{arm}-prefill.log").read_text().count("GET /v1/kv/handoff/")
+                for arm in ("first-token", "first-token-early")}
+    assert handoffs == {"first-token": 0, "first-token-early": 14}, handoffs
     # collocated-x2: two collocated servers behind the router (no prefill nodes), taking the requests in turn
     # (2 warm-up + 2 x 6: 7 each), both scraped for the graph counters
     for i in (0, 1):
@@ -69,7 +74,8 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     table = (tmp_path / "table.txt").read_text()
     assert table in out and "device=cpu" in table
     data_lines = [line for line in table.splitlines() if line.startswith("48/12")]
-    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token", "collocated-x2"):
+    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token", "1P1D first-token-early",
+                  "collocated-x2"):
         assert sum(f" {label} " in line for line in data_lines) == 2, table
     assert (tmp_path / "bench_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --ignore-eos: the router and a single server count the same tokens for every request

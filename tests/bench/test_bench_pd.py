@@ -99,7 +99,14 @@ def test_interrupted_bench_leaves_no_process(qwen3_tiny, tmp_path, sig):
         time.sleep(1.0)
         assert len(marked_pids(marker)) >= 4  # bench, router, P, D
         proc.send_signal(sig)
-        rc = proc.wait(30)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:  # a hang (seen once in CI's way): every thread's stack, then the logs
+            proc.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER prints all threads' stacks
+            out, _ = proc.communicate(timeout=10)
+            logs = "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-1500:]}"
+                           for f in sorted((tmp_path / "logs").glob("*.log")))
+            pytest.fail(f"bench pd still running 30 s after signal {sig!r}:\n{out[-6000:]}{logs}")
         assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 130), f"exit {rc}: {proc.stdout.read()[-5000:]}"
     finally:
         if proc.poll() is None:

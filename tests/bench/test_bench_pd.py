@@ -101,7 +101,7 @@ def test_interrupted_bench_leaves_no_process(qwen3_tiny, tmp_path, sig):
         proc.send_signal(sig)
         try:
             rc = proc.wait(30)
-        except subprocess.TimeoutExpired:  # a hang (seen once in CI's way): every thread's stack, then the logs
+        except subprocess.TimeoutExpired:  # a hang (once in a fresh clone's make test): the stacks, then the logs
             proc.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER prints all threads' stacks
             out, _ = proc.communicate(timeout=10)
             logs = "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-1500:]}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,6 @@ def per_rate(result_dir: Path, arm: str, rate: float) -> dict:
 def gaps(itls: list[list[float]]) -> dict:
     """Each request's first inter-token gap apart from the others (ms, medians): in the first-token arm the first
     is the hand-off (P's token to D's first), and it sets the p99 ITL; the others are D's steps."""
-    import statistics
     first = [1000 * g[0] for g in itls if g]
     rest = [1000 * x for g in itls for x in g[1:]]
     return {"first_gap_median_ms": statistics.median(first) if first else None,
@@ -70,7 +70,6 @@ def label(row: dict) -> str:
 def median_of(rounds: list[dict]) -> dict:
     """Each figure's median over the real rounds (a figure's rounds are taken apart: the median TTFT of one round
     and the median TPOT of another may meet in one row)."""
-    import statistics
     return {k: (statistics.median(r[k] for r in rounds) if rounds[0][k] is not None else None) for k in rounds[0]}
 
 

@@ -108,19 +108,10 @@ def start(cmd: list[str], env: dict, log: Path, port: int, timeout: float) -> su
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     """SIGTERM the server's whole process group and wait until none of it runs: vLLM's worker process went on at a
     full core for 2-4 s after its API server had exited (seen here), which the next server's quiet run would pay."""
-    from pdserve.bench.launcher import group_alive
+    from pdserve.bench.launcher import reap_group
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    while group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(10)
+    reap_group(proc, time.monotonic() + timeout)
 
 
 def server_cmd(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int, block: int,

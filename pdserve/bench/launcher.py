@@ -153,18 +153,26 @@ class Deployment:
                 c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for c in reversed(self.children):
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # the server exits before its engine-core process (same group) has finished exiting: give it the rest
-            while group_alive(c.proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if group_alive(c.proc.pid):
+            if reap_group(c.proc, deadline):
                 killed.append(c.name)
-                os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait(10)
         return killed
+
+
+def reap_group(proc: subprocess.Popen, deadline: float) -> bool:
+    """Waits until `proc` (a process group's leader, already signalled) and every other process of its group have
+    exited, up to `deadline` (time.monotonic()); SIGKILLs the group if any is left. Returns whether it had to."""
+    try:
+        proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    # a server exits before its engine-core process (same group) has finished exiting: give it the rest
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not group_alive(proc.pid):
+        return False
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    return True
 
 
 def vllm_router_program() -> Optional[str]:

@@ -25,8 +25,11 @@ class CompletionOutput:
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
+    first_token_time: Optional[float] = None  # the request's first output token (on D: P's, at admission)
     last_token_time: Optional[float] = None
+    # the first token this node computed: the first token's time, except for a request that arrived with tokens
+    # (P's first token on D, a resumed stream's), whose queue and first step are only known here
+    first_own_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     # a P/D consumer's KV load: from its start to the poll that saw it end, done or failed
     kv_load_start_time: Optional[float] = None
@@ -46,6 +49,18 @@ class RequestMetrics:
             return 0.0
         return self.kv_load_end_time - self.kv_load_start_time
 
+    def ttft_split(self) -> Optional[dict]:
+        """Where this node's time to its first own token went (seconds): queue (arrival to first scheduled, the KV
+        wait taken out), kv_transfer (D: waiting for P's KV), prefill (first scheduled to the first token computed
+        here: the prefill, on D the one-token replay, or the first decode step of a request that came with P's
+        token) and ttft (arrival to the first token, which for such a request is P's, answered at admission)."""
+        if self.first_own_token_time is None or self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        kv = self.kv_transfer_time
+        return {"queue": max(self.first_scheduled_time - self.arrival_time - kv, 0.0), "kv_transfer": kv,
+                "prefill": self.first_own_token_time - self.first_scheduled_time,
+                "ttft": self.first_token_time - self.arrival_time}
+
 
 @dataclass
 class RequestOutput:
@@ -63,3 +78,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {id: Logprob} per token; in a DELTA
     # request's first output with a token only (vLLM's), in every output once there is one otherwise
     prompt_logprobs: Optional[list] = None
+    # on the output of the step that computed the request's first own token (RequestMetrics.ttft_split), fixed then:
+    # `metrics` goes on changing (a D's load ends, later steps) before a server reads this output
+    timing: Optional[dict] = None
+    kv_unused: bool = False  # with `timing`: D took none of P's KV (RequestMetrics.kv_unused)

@@ -38,6 +38,7 @@ class OutputState:
     # with sampling_params.prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
     # {id: Logprob} as the model runner's steps make them (add_prompt_logprobs)
     prompt_logprobs: Optional[list] = None
+    split_due: bool = False  # the first own token's TTFT split waits for the next output made (FINAL_ONLY: the last)
 
 
 class OutputProcessor:
@@ -87,8 +88,12 @@ class OutputProcessor:
             m = st.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
+            if m.first_own_token_time is None and m.first_scheduled_time is not None:  # not tokens it came with
+                m.first_own_token_time, st.split_due = now, True
             out = self._process_one(req, st, lp_by_req.get(req.request_id))
             if out is not None:
+                if st.split_due:  # fixed now: the metrics change before a server reads the output
+                    st.split_due, out.timing, out.kv_unused = False, m.ttft_split(), m.kv_unused
                 outputs.append(out)
         return outputs
 

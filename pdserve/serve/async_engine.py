@@ -37,10 +37,11 @@ class _RequestState:
     last_time: Optional[float] = None
     num_tokens: int = 0
     finished: bool = False
-    prefill_time: float = 0.0  # the engine's, from the first token's timing (metrics: inference = prefill + decode)
+    prefill_time: float = 0.0  # the engine's, from its first own token's timing (metrics: inference = prefill + decode)
     num_prompt_tokens: int = 0
     max_tokens: Optional[int] = None  # the client's max_tokens, else what the context leaves
-    num_cached_tokens: int = 0  # local + external, from the first token's record
+    num_cached_tokens: int = 0  # local + external, from the record of the first token computed on this node
+    prompt_counted: bool = False  # the prompt's metrics are observed (ServerMetrics.on_tokens), once
 
 
 class AsyncEngine:

@@ -29,7 +29,9 @@ class TokenRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
     rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
-    timing: Optional[dict] = None  # on the record with the first token: seconds by stage, see `timing`
+    # on the record of the step that computed the request's first own token (RequestOutput.timing): seconds by
+    # stage (RequestMetrics.ttft_split); for a request that came with tokens (P's first token on D) a later record
+    timing: Optional[dict] = None
     kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
     num_external_tokens: int = 0  # prompt tokens imported from a prefill node (or the arrival driver)
     num_preemptions: int = 0  # on the finished record
@@ -90,21 +92,8 @@ class Wire:
         return RuntimeError(obj.message) if isinstance(obj, EngineFailed) else obj
 
 
-def timing(m) -> Optional[dict]:
-    """Where the engine's time to first token went: queue (arrival to first scheduled, the KV wait taken out),
-    kv_transfer (P/D consumer: waiting for the remote KV), prefill (first scheduled to first token: the prefill,
-    or on D the one-token replay) and ttft (arrival to first token, the sum)."""
-    if m is None or m.first_token_time is None or m.first_scheduled_time is None:
-        return None
-    kv = getattr(m, "kv_transfer_time", 0.0)
-    return {"queue": max(m.first_scheduled_time - m.arrival_time - kv, 0.0), "kv_transfer": kv,
-            "prefill": m.first_token_time - m.first_scheduled_time, "ttft": m.first_token_time - m.arrival_time}
-
-
 def record(out) -> TokenRecord:
     c = out.outputs[0]
-    m = out.metrics  # the step of the first token set both to the same time
-    first = bool(c.delta_token_ids) and m is not None and m.first_token_time == m.last_token_time
     lps = None
     if c.logprobs is not None and c.delta_token_ids:
         lps = [_entry(tok, entry) for tok, entry in zip(c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):])]
@@ -113,8 +102,8 @@ def record(out) -> TokenRecord:
         plps = [None] + [_entry(tok, e) for tok, e in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
-                       getattr(out, "kv_transfer_params", None), timing=timing(out.metrics) if first else None,
-                       kv_unused=first and out.metrics.kv_unused, num_external_tokens=out.num_external_tokens,
+                       getattr(out, "kv_transfer_params", None), timing=out.timing,
+                       kv_unused=out.kv_unused, num_external_tokens=out.num_external_tokens,
                        num_preemptions=out.num_preemptions, prompt_logprobs=plps)
 
 

@@ -258,16 +258,21 @@ class ServerMetrics:
         if n:
             if state.first_time is None:
                 self.ttft.observe(max(t - state.arrival, 0.0))
-                self._prompt(rec)
-                state.num_cached_tokens = rec.num_cached_tokens + rec.num_external_tokens
-                self._step_tokens += max(rec.num_prompt_tokens - state.num_cached_tokens, 0)
-                if rec.timing:
-                    self.queue.observe(rec.timing["queue"] + rec.timing["kv_transfer"])
-                    self.prefill.observe(rec.timing["prefill"])
-                    state.prefill_time = rec.timing["prefill"]
             else:
                 self.itl.observe(max(t - state.last_time, 0.0))
             self.generation_tokens.inc(n)
+        # The prompt's sources and this node's queue and prefill, once: with the first token computed here (the
+        # record with the timing), which for a request that came with tokens (P's first token on D) is a later
+        # record than its first, or at its end when no step of its own computed a token.
+        if not state.prompt_counted and (rec.timing or (rec.finished and (n or state.first_time is not None))):
+            state.prompt_counted = True
+            self._prompt(rec)
+            state.num_cached_tokens = rec.num_cached_tokens + rec.num_external_tokens
+            self._step_tokens += max(rec.num_prompt_tokens - state.num_cached_tokens, 0)
+            if rec.timing:
+                self.queue.observe(rec.timing["queue"] + rec.timing["kv_transfer"])
+                self.prefill.observe(rec.timing["prefill"])
+                state.prefill_time = rec.timing["prefill"]
         if rec.finished:
             reason = rec.finish_reason or "error"
             counter = self.success.get(reason) or self._success_family.labels(*self._lab, reason)
@@ -291,9 +296,9 @@ class ServerMetrics:
                     self.tpot.observe(decode / (total - 1))
 
     def _prompt(self, rec) -> None:
-        """A request's prompt tokens by where their KV came from, once, at its first token (as vLLM's first prefill
-        output): the replay's last token is always computed here, so a local hit plus an import stay under the
-        prompt."""
+        """A request's prompt tokens by where their KV came from, once, at the first token computed here (as vLLM's
+        first prefill output): the replay's last token is always computed here, so a local hit plus an import stay
+        under the prompt."""
         local, external = rec.num_cached_tokens, rec.num_external_tokens
         self.prompt_tokens.inc(rec.num_prompt_tokens)
         self.prompt_by_source["local_compute"].inc(max(rec.num_prompt_tokens - local - external, 0))

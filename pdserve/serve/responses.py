@@ -99,18 +99,20 @@ class ResponseBuilder:
         self.kv_unused = False
         self.prompt_lps: Optional[list] = None  # with the first token, when asked (TokenRecord.prompt_logprobs)
         self._offset = 0
+        self._had_tokens = False
         self._role_sent = False
         # completions echo with logprobs: the echo waits for the prompt's logprobs, which lead the first chunk's
         self._echo_waits = greq.prompt_first_text is not None
 
     def add(self, rec: TokenRecord) -> None:
+        if not self._had_tokens:  # the timing that came with the first token (not that of D's own first step)
+            self.timing, self._had_tokens = rec.timing, bool(rec.new_token_ids)
         if not self.g.echo_only:
             self.text_parts.append(rec.delta_text)
             self.token_ids.extend(rec.new_token_ids)
             if rec.logprobs:
                 self.logprob_entries.extend(rec.logprobs)
         self.num_cached = rec.num_cached_tokens or self.num_cached
-        self.timing = self.timing or rec.timing
         self.kv_unused = self.kv_unused or rec.kv_unused
         if rec.prompt_logprobs is not None:
             self.prompt_lps = rec.prompt_logprobs

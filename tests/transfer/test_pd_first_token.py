@@ -224,6 +224,42 @@ def test_failed_pull_recomputes_prompt_and_first_token(pd, col):
     assert_whole(p, d)
 
 
+@pytest.mark.parametrize("lease", ["held", "gone"])
+def test_d_splits_its_own_first_step_not_ps_token(pd, col, lease):
+    """D's records of a request that came with P's token, as the server reads them: the admission record (P's
+    token, before any load) has no TTFT split and does not claim D took none of P's KV (not known yet: a streamed
+    answer's X-PD-KV-Unused header goes with it); the record of D's first own step has the split, with the KV
+    wait, and says whether the KV was imported (P's lease gone: prefilled here, so kv_unused)."""
+    from pdserve.serve.engine_messages import record
+    p, d = pd
+    prompt = [7] + prompt_of(col, 2 * B)  # 2B + 1 tokens, a prefix no other test left in D's cache
+    sp = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.DELTA)
+    want, _ = run_col(col, prompt, sp)
+    params = prefill(p, prompt, sp).kv_transfer_params
+    if lease == "gone":
+        for held in p.engine.connector.leases.values():
+            held.expiry = 0.0
+        drain(p)
+    d.engine.add_request(prompt, sp, request_id="d", kv_transfer_params=params)
+    admitted = [record(o) for o in d.engine._admitted]  # read before any step: its load has not even started
+    assert [r.new_token_ids for r in admitted] == [want.outputs[0].token_ids[:1]]
+    assert admitted[0].timing is None and not admitted[0].kv_unused
+    recs, t0 = [], time.monotonic()
+    while d.engine.has_unfinished_requests():
+        assert time.monotonic() - t0 < 20, "D did not finish"
+        recs += [record(o) for o in d.engine.step() if o.request_id == "d"]
+    assert [t for r in recs for t in r.new_token_ids] == want.outputs[0].token_ids
+    timed = [r for r in recs if r.timing]
+    assert len(timed) == 1 and timed[0] is not recs[0] and timed[0].new_token_ids  # D's first own step
+    split = timed[0].timing
+    assert split["queue"] >= 0 and split["prefill"] > 0 and split["ttft"] <= split["queue"] + split["kv_transfer"]
+    assert split["kv_transfer"] > 0  # the pull, or P's answer that the lease is gone
+    assert [r.kv_unused for r in recs] == [r is timed[0] and lease == "gone" for r in recs]
+    assert (timed[0].num_external_tokens == 2 * B + 1) == (lease == "held")
+    drain(p)
+    assert_whole(p, d)
+
+
 @pytest.mark.parametrize("n", [B, B + 1, 3 * B + 1])
 def test_first_token_with_spec_decode_on_d(pd_spec, n):
     p, d, c = pd_spec

@@ -109,6 +109,25 @@ def test_first_token_that_ends_it_never_reaches_d(dep):
     assert metric(dep["D"].url, "vllm:request_success_total") == before
 
 
+def test_d_observes_queue_and_prompt_sources_of_first_token_requests(dep):
+    """D's /metrics for requests that came with P's token: their queue (the KV wait in it) and first step are
+    observed once each, at D's first own step, and their prompt is counted as imported or cached, never as computed
+    on D (it was not): the admission record, which carries P's token, knows neither."""
+    d = dep["D"].url
+    names = ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count")
+    before = {n: metric(d, n) for n in names}
+    sources = {s: metric(d, "vllm:prompt_tokens_by_source_total", source=s)
+               for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    tokens = metric(d, "vllm:prompt_tokens_total")
+    for stream in (False, True):
+        ask(dep["R"].url, False, stream, temperature=0, max_tokens=5)
+    n = (metric(d, "vllm:prompt_tokens_total") - tokens) / 2
+    assert n > 1
+    assert {k: metric(d, k) - v for k, v in before.items()} == {k: 2 for k in names}
+    grew = {s: metric(d, "vllm:prompt_tokens_by_source_total", source=s) - v for s, v in sources.items()}
+    assert grew["local_compute"] == 0 and grew["local_cache_hit"] + grew["external_kv_transfer"] == 2 * n, grew
+
+
 def test_y_streams_went_to_a_d_asked_while_p_prefilled(dep):
     """Early decode (serve/handoff.py, router/early_decode.py): every streamed P/D request above was answered by the
     D the router asked while P prefilled; the first tokens that ended their request dropped theirs."""

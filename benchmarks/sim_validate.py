@@ -50,7 +50,7 @@ def per_rate(result_dir: Path, arm: str, rate: float) -> dict:
     d = json.loads((result_dir / f"{arm}_rate{rate:g}.json").read_text())
     graph = d.get("graph") or {}
     return {k: d[k] for k in BOUNDS} | {"non_full_share": graph.get("non_full_share"), "completed": d["completed"]} \
-        | gaps(d.get("itls") or [])
+        | gaps(d.get("itls") or []) | {"ttft_split_ms": d.get("router_ttft_split_ms") or None}
 
 
 def gaps(itls: list[list[float]]) -> dict:
@@ -70,7 +70,11 @@ def label(row: dict) -> str:
 def median_of(rounds: list[dict]) -> dict:
     """Each figure's median over the real rounds (a figure's rounds are taken apart: the median TTFT of one round
     and the median TPOT of another may meet in one row)."""
-    return {k: (statistics.median(r[k] for r in rounds) if rounds[0][k] is not None else None) for k in rounds[0]}
+    def med(k):
+        if isinstance(rounds[0][k], dict):  # the router's TTFT split: each stage's median
+            return {stage: statistics.median(r[k].get(stage, 0.0) for r in rounds) for stage in rounds[0][k]}
+        return statistics.median(r[k] for r in rounds) if rounds[0][k] is not None else None
+    return {k: med(k) for k in rounds[0]}
 
 
 def main() -> int:
@@ -186,6 +190,15 @@ def main() -> int:
             print(f"{'':>18} {row['model']:>6} {label(row):>11} {row['rate']:>4g} | {r['first_gap_median_ms']:>10.1f} "
                   f"{s['first_gap_median_ms']:>5.1f} | {r['other_gaps_median_ms']:>11.2f} "
                   f"{s['other_gaps_median_ms']:>5.2f}")
+    # the router's TTFT split (router/timing.py), real against simulated: which stage a TTFT error comes from
+    stages = ("router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "first_token_from_prefill")
+    print(f"TTFT split (means, ms, real/sim): {'model':>6} {'arm':>11} {'rate':>4} | " +
+          " | ".join(s.replace("first_token_from_prefill", "from_prefill") for s in stages))
+    for row in rows:
+        r, s = row["real"]["ttft_split_ms"] or {}, row["sim"]["ttft_split_ms"] or {}
+        if r and s:
+            print(f"{'':>33} {row['model']:>6} {label(row):>11} {row['rate']:>4g} | " + " | ".join(
+                f"{r[k]:.1f}/{s[k]:.1f}" if k in r and k in s else "-" for k in stages))
     if args.rounds > 1 and not args.interleave:  # how far the real rounds spread: the bounds read against that
         print(f"real rounds (min-max): {'model':>6} {'arm':>11} {'rate':>4} | TTFT | TPOT | p99 ITL")
         for row in rows:

@@ -141,7 +141,8 @@ def _row(arm: str, rate: float, r: dict) -> dict:
             "non_full_reasons": g.get("non_full_reasons", {}), "device": g.get("device", ""),
             "mean_tpot_ms": r["tpot_ms"]["mean"], "p99_tpot_ms": r["tpot_ms"]["p99"], "p99_itl_ms": r["itl_ms"]["p99"],
             "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"],
-            "router_ttft_split_ms": r.get("router_ttft_split_ms"), "spec_decode": g.get("spec_decode")}
+            "router_ttft_split_ms": r.get("router_ttft_split_ms"), "decode_phases_ms": r.get("decode_phases_ms"),
+            "spec_decode": g.get("spec_decode")}
 
 
 def run_bench_pd(args) -> int:
@@ -186,6 +187,11 @@ def run_bench_pd(args) -> int:
                 split = result.get("router_ttft_split_ms") or {}
                 where = ", ".join(f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue")
                                   if k in split)
+                if "decode_queue" not in split and (phases := result.get("decode_phases_ms")):
+                    # collocated, or P's token is the first: the serving nodes' own queue and first step (on a
+                    # first-token arm's D, its half of the gap between the first two tokens)
+                    where = ", ".join([where] * bool(where) + [f"{label} {phases[k]:.1f}" for k, label in (
+                        ("queue", "queue"), ("prefill", "first own step")) if k in phases])
                 print(f"[bench pd] {arm} @ {rate:g} req/s: {result['completed']} ok, {result['failed']} failed, "
                       f"median TTFT {result['ttft_ms']['median']:.1f} ms{f' (mean ms: {where})' if where else ''}, "
                       f"p99 ITL {result['itl_ms']['p99']:.1f} ms", flush=True)

@@ -25,8 +25,8 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import RequestSpec, send_request
 from pdserve.bench.http_get import get_json
 from pdserve.bench.datasets import jsonl_dataset, random_dataset, random_prefix
-from pdserve.bench.server_metrics import (format_share, format_ttft_split, metric_targets, scrape, scrape_ttft_stages,
-                                          ttft_split_ms)
+from pdserve.bench.server_metrics import (format_phases, format_share, format_ttft_split, metric_targets, scrape,
+                                          scrape_phases, scrape_ttft_stages, ttft_split_ms)
 from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput, parse_percentiles, summarize
 
 
@@ -239,7 +239,7 @@ def json_safe(x):
     return x
 
 
-def _print(args, model: str, metrics, shown, graph, split) -> None:
+def _print(args, model: str, metrics, shown, graph, split, phases) -> None:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     print(f"target {args.base_url}{args.endpoint}  model {model}  request rate {rate}  "
           f"burstiness {args.burstiness:g}  max concurrency {args.max_concurrency or 'none'}")
@@ -248,6 +248,8 @@ def _print(args, model: str, metrics, shown, graph, split) -> None:
         print(format_share(graph))
     if split:
         print(format_ttft_split(split))
+    if phases:
+        print(format_phases(phases))
 
 
 def run_bench_serve(args, quiet: bool = False) -> dict:
@@ -276,17 +278,19 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
         if not any(r.success for r in warm_results):
             raise RuntimeError(f"every warm-up request to {args.base_url} failed: {warm_results[0].error}")
     targets = args.metrics_url or metric_targets(args.base_url)
-    before, stages_before = scrape(targets), scrape_ttft_stages(args.base_url)
+    before, stages_before, phases_before = scrape(targets), scrape_ttft_stages(args.base_url), scrape_phases(targets)
     gc.collect()
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
     results, duration, lags = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
     after, split = scrape(targets), ttft_split_ms(stages_before, scrape_ttft_stages(args.base_url))
+    phases = ttft_split_ms(phases_before, scrape_phases(targets))
     metrics = compute_metrics(results, duration, slos, percentiles)
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:
-        _print(args, model, metrics, shown, graph, split)
+        _print(args, model, metrics, shown, graph, split, phases)
     # vLLM's keys where it has the figure (flat statistics, per-request lists, `errors` one per request), plus
-    # pdserve's nested statistics (`ttft_ms: {mean, ...}`), the graph share and the router's TTFT split
+    # pdserve's nested statistics (`ttft_ms: {mean, ...}`), the graph share, the router's TTFT split and the decode
+    # nodes' phases
     out = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint else "openai",
            "base_url": args.base_url, "endpoint": args.endpoint, "model_id": model, "model": model,
            "tokenizer_id": _tokenizer_path(args),
@@ -297,7 +301,7 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
            "random_prefix_len": args.random_prefix_len, "ignore_eos": args.ignore_eos,
            "temperature": args.temperature, "warmup": args.warmup,
            "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, **metrics.to_dict(), **metrics.vllm_keys(shown),
-           "graph": graph, "router_ttft_split_ms": split, "send_lag_ms": summarize(lags),
+           "graph": graph, "router_ttft_split_ms": split, "decode_phases_ms": phases, "send_lag_ms": summarize(lags),
            "input_lens": [r.prompt_len for r in results],
            "output_lens": [r.output_tokens if r.success else 0 for r in results],
            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],

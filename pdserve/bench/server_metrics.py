@@ -3,6 +3,10 @@ earlier traffic do not count):
 - the share of non-FULL decode-graph steps, from `pdserve_cudagraph_steps_total`: behind a router the counters that
   matter are the decode nodes' (the router lists them at `/nodes`); a single server is scraped directly;
 - behind a router, the mean time to first token by stage, from `pdserve_router_ttft_seconds{stage}`;
+- the decode nodes' (or the server's) mean queue and prefill time per request, from vLLM's
+  `vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds`: on D, from its HTTP arrival to its first
+  step (the KV wait included) and that step, which for a request that came with P's first token is D's half of the
+  gap between the first two tokens, a part the router's split cannot see;
 - with speculative decoding, the acceptance rate (accepted / draft tokens) and the mean acceptance length
   (1 + accepted / drafts, vLLM's definition) from `vllm:spec_decode_*_total` (vLLM's series, which a pdserve node
   exposes under vLLM's names) and `pdserve_spec_decode_num_placeholder_tokens_total`."""
@@ -108,21 +112,37 @@ def _format_spec(sd: dict) -> str:
             f"{'Mean acceptance length:':<44}{sd['mean_acceptance_length']:>16.2f}")
 
 
+def _sums(urls: list[str], names: dict, timeout: float) -> Optional[dict]:
+    """key -> (sum of seconds, count) of the histograms `names` maps to keys (a label value, or the key itself when
+    it is a string) over the `urls`' /metrics; None when none of them has one."""
+    out: dict = {}
+    for url in urls:
+        for fam in _families(url, timeout):
+            key_of = names.get(fam.name)
+            if key_of is None:
+                continue
+            for s in fam.samples:
+                key = key_of if isinstance(key_of, str) else s.labels.get(key_of[0])
+                if s.name.endswith(("_sum", "_count")) and key:
+                    total, n = out.get(key, (0.0, 0))
+                    out[key] = (total + s.value, n) if s.name.endswith("_sum") else (total, n + int(s.value))
+    return out or None
+
+
 def scrape_ttft_stages(base_url: str, timeout: float = 5.0) -> Optional[dict]:
     """stage -> (sum of seconds, count) of a router's TTFT split; None for a target that is not a pdserve router."""
-    stages: dict = {}
-    for fam in _families(base_url, timeout):
-        if fam.name == "pdserve_router_ttft_seconds":
-            for s in fam.samples:
-                stage = s.labels.get("stage")
-                if s.name.endswith(("_sum", "_count")) and stage:
-                    total, n = stages.get(stage, (0.0, 0))
-                    stages[stage] = (total + s.value, n) if s.name.endswith("_sum") else (total, n + int(s.value))
-    return stages or None
+    return _sums([base_url], {"pdserve_router_ttft_seconds": ("stage",)}, timeout)
+
+
+def scrape_phases(urls: list[str], timeout: float = 5.0) -> Optional[dict]:
+    """queue / prefill -> (sum of seconds, count) over the `urls` (metric_targets: a router's decode nodes)."""
+    return _sums(urls, {"vllm:request_queue_time_seconds": "queue",
+                        "vllm:request_prefill_time_seconds": "prefill"}, timeout)
 
 
 def ttft_split_ms(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
-    """Mean milliseconds per stage over the run's requests (those that passed the stage)."""
+    """Mean milliseconds per stage over the run's requests (those that passed the stage); for scrape_phases' sums
+    too."""
     if after is None:
         return None
     out = {}
@@ -131,6 +151,11 @@ def ttft_split_ms(before: Optional[dict], after: Optional[dict]) -> Optional[dic
         if n > n0:
             out[stage] = 1000.0 * (total - t0) / (n - n0)
     return out
+
+
+def format_phases(phases: dict) -> str:
+    rows = [f"{f'Mean {k} time (ms):':<44}{phases[k]:>16.2f}" for k in ("queue", "prefill") if k in phases]
+    return "\n".join([f"{'Decode node phases':-^60}", *rows])
 
 
 def format_ttft_split(split: dict) -> str:

@@ -221,6 +221,35 @@ def test_server_counters_are_differenced_over_the_run():
     assert split == pytest.approx({"kv_transfer": 100.0, "total": 200.0, "prefill": 30.0})
 
 
+def test_phases_add_up_the_decode_nodes_histograms(monkeypatch):
+    """scrape_phases: vLLM's queue and prefill histograms summed over every decode node (the router's own
+    histograms and other series left out), then differenced over the run as the router's split is."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdserve.bench import server_metrics
+
+    def page(queue_sum, queue_n, prefill_sum, prefill_n):
+        out = []
+        for name, total, n in (("queue", queue_sum, queue_n), ("prefill", prefill_sum, prefill_n)):
+            out += [f"# TYPE vllm:request_{name}_time_seconds histogram",
+                    f'vllm:request_{name}_time_seconds_bucket{{le="+Inf",model_name="m"}} {n}',
+                    f'vllm:request_{name}_time_seconds_count{{model_name="m"}} {n}',
+                    f'vllm:request_{name}_time_seconds_sum{{model_name="m"}} {total}']
+        return "\n".join(out + ["# TYPE vllm:e2e_request_latency_seconds histogram",
+                                  'vllm:e2e_request_latency_seconds_count{model_name="m"} 99',
+                                  'vllm:e2e_request_latency_seconds_sum{model_name="m"} 9.9']) + "\n"
+    pages = {"http://d0": page(0.01, 2, 0.004, 2), "http://d1": page(0.02, 3, 0.006, 3)}
+    monkeypatch.setattr(server_metrics, "_families",
+                        lambda url, timeout: list(text_string_to_metric_families(pages[url])))
+    before = server_metrics.scrape_phases(list(pages))
+    assert {k: (pytest.approx(t), n) for k, (t, n) in before.items()} == {"queue": (0.03, 5), "prefill": (0.01, 5)}
+    pages = {"http://d0": page(0.016, 4, 0.008, 4), "http://d1": page(0.032, 6, 0.012, 6)}
+    assert ttft_split_ms(before, server_metrics.scrape_phases(list(pages))) == pytest.approx(
+        {"queue": 3.6, "prefill": 2.0})  # (0.048 - 0.03) s over 5 requests; (0.02 - 0.01) over 5
+    pages = {"http://d0": "# TYPE other counter\nother_total 1\n"}
+    assert server_metrics.scrape_phases(list(pages)) is None  # another engine: nothing to report
+
+
 def test_warmup_leaves_the_measured_prompts_alone(qwen3_tiny):
     """Warm-up prompts were the first of the measured stream, so --warmup changed what was measured."""
     from types import SimpleNamespace

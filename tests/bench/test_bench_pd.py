@@ -60,6 +60,9 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
         if r["arm"].startswith("first-token"):  # the first token is P's: the transfer and D are not in the TTFT
             assert {"prefill", "first_token_from_prefill", "total"} <= set(r["router_ttft_split_ms"]), r
             assert "kv_transfer" not in r["router_ttft_split_ms"], r
+        # the serving nodes' (D's) own queue and first step, also where P's token came first
+        assert all(r["decode_phases_ms"].get(k, 0) > 0 for k in ("queue", "prefill")), r
+    assert "first own step" in out
     # early decode: D asked P for each streamed request's hand-off (2 warm-up + 2 x 6), and only in that arm
     handoffs = {arm: (tmp_path / "logs" / f"{arm}-prefill.log").read_text().count("GET /v1/kv/handoff/")
                 for arm in ("first-token", "first-token-early")}

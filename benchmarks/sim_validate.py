@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
 
+from pdserve.bench.metrics import gap_medians  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 BOUNDS = {"median_ttft_ms": 0.20, "median_tpot_ms": 0.10, "p99_itl_ms": 0.25}  # relative; non-FULL share: 1 pp
 SIM_DEPLOYMENT = {"collocated": ["--deployment", "collocated"], "default": ["--deployment", "1p1d"],
@@ -50,16 +52,7 @@ def per_rate(result_dir: Path, arm: str, rate: float) -> dict:
     d = json.loads((result_dir / f"{arm}_rate{rate:g}.json").read_text())
     graph = d.get("graph") or {}
     return {k: d[k] for k in BOUNDS} | {"non_full_share": graph.get("non_full_share"), "completed": d["completed"]} \
-        | gaps(d.get("itls") or []) | {"ttft_split_ms": d.get("router_ttft_split_ms") or None}
-
-
-def gaps(itls: list[list[float]]) -> dict:
-    """Each request's first inter-token gap apart from the others (ms, medians): in the first-token arm the first
-    is the hand-off (P's token to D's first), and it sets the p99 ITL; the others are D's steps."""
-    first = [1000 * g[0] for g in itls if g]
-    rest = [1000 * x for g in itls for x in g[1:]]
-    return {"first_gap_median_ms": statistics.median(first) if first else None,
-            "other_gaps_median_ms": statistics.median(rest) if rest else None}
+        | gap_medians(d.get("itls") or []) | {"ttft_split_ms": d.get("router_ttft_split_ms") or None}
 
 
 def label(row: dict) -> str:

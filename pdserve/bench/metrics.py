@@ -86,6 +86,15 @@ def summarize(values: list[float], percentiles: tuple[float, ...] = PERCENTILES)
     return out
 
 
+def gap_medians(itls: list) -> dict:
+    """Medians (ms) of each request's first inter-token gap and of its later ones, from per-request gaps in seconds:
+    in a first-token P/D arm the first is the hand-off from P's token to D's first, and it sets the p99 ITL."""
+    first = [1000 * g[0] for g in itls if g]
+    rest = [1000 * x for g in itls for x in g[1:]]
+    return {"first_gap_median_ms": float(np.median(first)) if first else None,
+            "other_gaps_median_ms": float(np.median(rest)) if rest else None}
+
+
 def is_good(r: RequestResult, slos: dict[str, float]) -> bool:
     tpot = r.tpot if r.tpot is not None else 0.0
     measured = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.metrics import gap_medians
 from pdserve.bench.launcher import FIRST_TOKEN_ARMS, Deployment, collocated_nodes, launch, vllm_router_program
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
@@ -142,7 +143,7 @@ def _row(arm: str, rate: float, r: dict) -> dict:
             "mean_tpot_ms": r["tpot_ms"]["mean"], "p99_tpot_ms": r["tpot_ms"]["p99"], "p99_itl_ms": r["itl_ms"]["p99"],
             "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"],
             "router_ttft_split_ms": r.get("router_ttft_split_ms"), "decode_phases_ms": r.get("decode_phases_ms"),
-            "spec_decode": g.get("spec_decode")}
+            "spec_decode": g.get("spec_decode"), **gap_medians(r.get("itls") or [])}
 
 
 def run_bench_pd(args) -> int:
@@ -194,7 +195,8 @@ def run_bench_pd(args) -> int:
                         ("queue", "queue"), ("prefill", "first own step")) if k in phases])
                 print(f"[bench pd] {arm} @ {rate:g} req/s: {result['completed']} ok, {result['failed']} failed, "
                       f"median TTFT {result['ttft_ms']['median']:.1f} ms{f' (mean ms: {where})' if where else ''}, "
-                      f"p99 ITL {result['itl_ms']['p99']:.1f} ms", flush=True)
+                      f"p99 ITL {result['itl_ms']['p99']:.1f} ms" + (f" (median first gap {first:.1f})" if (
+                          first := rows[-1]["first_gap_median_ms"]) is not None else ""), flush=True)
             killed = dep.stop()
             dep = None
             if killed:

@@ -221,6 +221,13 @@ def test_server_counters_are_differenced_over_the_run():
     assert split == pytest.approx({"kv_transfer": 100.0, "total": 200.0, "prefill": 30.0})
 
 
+def test_gap_medians_take_each_requests_first_gap_apart():
+    from pdserve.bench.metrics import gap_medians
+    got = gap_medians([[0.009, 0.002, 0.003], [0.007], [], [0.011, 0.001]])  # a one-token request has no gap
+    assert got == pytest.approx({"first_gap_median_ms": 9.0, "other_gaps_median_ms": 2.0})
+    assert gap_medians([[], []]) == {"first_gap_median_ms": None, "other_gaps_median_ms": None}
+
+
 def test_phases_add_up_the_decode_nodes_histograms(monkeypatch):
     """scrape_phases: vLLM's queue and prefill histograms summed over every decode node (the router's own
     histograms and other series left out), then differenced over the run as the router's split is."""

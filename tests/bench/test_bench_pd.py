@@ -62,6 +62,7 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
             assert "kv_transfer" not in r["router_ttft_split_ms"], r
         # the serving nodes' (D's) own queue and first step, also where P's token came first
         assert all(r["decode_phases_ms"].get(k, 0) > 0 for k in ("queue", "prefill")), r
+        assert r["first_gap_median_ms"] > 0 and r["other_gaps_median_ms"] > 0, r
     assert "first own step" in out
     # early decode: D asked P for each streamed request's hand-off (2 warm-up + 2 x 6), and only in that arm
     handoffs = {arm: (tmp_path / "logs" / f"{arm}-prefill.log").read_text().count("GET /v1/kv/handoff/")

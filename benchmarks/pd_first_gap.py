@@ -19,8 +19,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +46,7 @@ def main() -> int:
     import torch
 
     from pdserve import LLM, SamplingParams
-    from pdserve.bench.launcher import free_port
+    from pdserve.bench.launcher import Deployment, free_port
     from pdserve.model.make_model import ensure_model
     from pdserve.sampling_params import RequestOutputKind
     from pdserve.transfer.tcp import consumer as tcp_consumer
@@ -54,25 +54,14 @@ def main() -> int:
     torch.set_num_threads(1)
     model = str(ensure_model("qwen3", "tiny", 0))
     name = Path(model).name
-    kv_port, http_port = free_port(), free_port()
+    kv_port = free_port()
     p_kv = {"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": kv_port, "kv_auth_token": TOKEN}
-    p_proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(http_port),
-                               "--max-model-len", "512", "--kv-cache-memory-gb", "0.05",
-                               "--kv-transfer-config", json.dumps(p_kv)],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{http_port}"
+    dep = Deployment("first-gap", Path(tempfile.mkdtemp(prefix="pd-first-gap-")))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if p_proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the prefill server did not come up")
-            time.sleep(0.3)
+        url = dep.spawn("prefill", ["serve", model, "--log-level", "warning", "--max-model-len", "512",
+                                    "--kv-cache-memory-gb", "0.05", "--kv-transfer-config", json.dumps(p_kv)],
+                        free_port(), {"OMP_NUM_THREADS": "1"})
+        dep.wait_healthy(120)
         d = LLM(model, max_model_len=512, kv_cache_memory_gb=0.05, kv_transfer_config={
             "kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_auth_token": TOKEN, "kv_load_wait_ms": 0})
         eng = d.engine
@@ -165,11 +154,7 @@ def main() -> int:
         write_result(args.out, args, medians=medians, rows=rows)
         eng.shutdown()
     finally:
-        p_proc.terminate()
-        try:
-            p_proc.wait(20)
-        except subprocess.TimeoutExpired:
-            p_proc.kill()
+        dep.stop()
     return 0
 
 

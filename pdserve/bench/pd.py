@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.metrics import gap_medians
 from pdserve.bench.launcher import FIRST_TOKEN_ARMS, Deployment, collocated_nodes, launch, vllm_router_program
+from pdserve.bench.metrics import gap_medians
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
@@ -186,17 +186,18 @@ def run_bench_pd(args) -> int:
                                                      args.warmup if i == 0 else 0, save), quiet=True)
                 rows.append(_row(arm, rate, result))
                 split = result.get("router_ttft_split_ms") or {}
-                where = ", ".join(f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue")
-                                  if k in split)
+                parts = [f"{k} {split[k]:.1f}" for k in ("prefill", "kv_transfer", "decode_queue") if k in split]
                 if "decode_queue" not in split and (phases := result.get("decode_phases_ms")):
                     # collocated, or P's token is the first: the serving nodes' own queue and first step (on a
                     # first-token arm's D, its half of the gap between the first two tokens)
-                    where = ", ".join([where] * bool(where) + [f"{label} {phases[k]:.1f}" for k, label in (
-                        ("queue", "queue"), ("prefill", "first own step")) if k in phases])
+                    labels = (("queue", "queue"), ("prefill", "first own step"))
+                    parts += [f"{label} {phases[k]:.1f}" for k, label in labels if k in phases]
+                where = f" (mean ms: {', '.join(parts)})" if parts else ""
+                first = rows[-1]["first_gap_median_ms"]
                 print(f"[bench pd] {arm} @ {rate:g} req/s: {result['completed']} ok, {result['failed']} failed, "
-                      f"median TTFT {result['ttft_ms']['median']:.1f} ms{f' (mean ms: {where})' if where else ''}, "
-                      f"p99 ITL {result['itl_ms']['p99']:.1f} ms" + (f" (median first gap {first:.1f})" if (
-                          first := rows[-1]["first_gap_median_ms"]) is not None else ""), flush=True)
+                      f"median TTFT {result['ttft_ms']['median']:.1f} ms{where}, "
+                      f"p99 ITL {result['itl_ms']['p99']:.1f} ms"
+                      + (f" (median first gap {first:.1f})" if first is not None else ""), flush=True)
             killed = dep.stop()
             dep = None
             if killed:

@@ -44,6 +44,12 @@ class RequestMetrics:
         return self.kv_remote and not self.kv_loaded
 
     @property
+    def kv_load_failed(self) -> bool:
+        """D's load of P's KV ended without it (failed, timed out, the lease gone): final once true, so it may be read
+        at any time, unlike kv_unused, which says so also while the load is still to come."""
+        return self.kv_remote and self.kv_load_end_time is not None and not self.kv_loaded
+
+    @property
     def kv_transfer_time(self) -> float:
         if self.kv_load_start_time is None or self.kv_load_end_time is None:
             return 0.0

@@ -103,7 +103,10 @@ def record(out) -> TokenRecord:
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
                        getattr(out, "kv_transfer_params", None), timing=out.timing,
-                       kv_unused=out.kv_unused, num_external_tokens=out.num_external_tokens,
+                       # a load that already failed counts for any record (P's token on D leaves before D's own
+                       # step: its streamed answer's X-PD-KV-Unused then tells the router to release P's lease)
+                       kv_unused=out.kv_unused or bool(out.metrics and out.metrics.kv_load_failed),
+                       num_external_tokens=out.num_external_tokens,
                        num_preemptions=out.num_preemptions, prompt_logprobs=plps)
 
 

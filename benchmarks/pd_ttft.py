@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.launcher import Deployment, launch
-from pdserve.bench.server_metrics import scrape_ttft_stages, ttft_split_ms
+from pdserve.bench.server_metrics import means_ms, scrape_ttft_stages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_transfer import busy_jiffies, log, proc_cpu, wait_quiet  # noqa: E402
@@ -143,7 +143,7 @@ def main() -> None:
             result[key] = run(dep)
             if key == "pd":  # the router's histograms hold only the measured requests' and the warm-up's
                 result[key]["router_ttft_split_mean_s"] = {
-                    k: v / 1e3 for k, v in ttft_split_ms(None, scrape_ttft_stages(dep.url)).items()}
+                    k: v / 1e3 for k, v in means_ms(None, scrape_ttft_stages(dep.url)).items()}
         finally:
             dep.stop(60.0)
     col, pd = result["collocated"], result["pd"]

@@ -186,7 +186,7 @@ def main() -> int:
     # the router's TTFT split (router/timing.py), real against simulated: which stage a TTFT error comes from
     stages = ("router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "first_token_from_prefill")
     print(f"TTFT split (means, ms, real/sim): {'model':>6} {'arm':>11} {'rate':>4} | " +
-          " | ".join(s.replace("first_token_from_prefill", "from_prefill") for s in stages))
+          " | ".join(stage.replace("first_token_from_prefill", "from_prefill") for stage in stages))
     for row in rows:
         r, s = row["real"]["ttft_split_ms"] or {}, row["sim"]["ttft_split_ms"] or {}
         if r and s:

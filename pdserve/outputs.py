@@ -40,14 +40,11 @@ class RequestMetrics:
 
     @property
     def kv_unused(self) -> bool:
-        """D took none of P's KV (refused or failed load, lease gone, all cached here): P may still hold it."""
-        return self.kv_remote and not self.kv_loaded
-
-    @property
-    def kv_load_failed(self) -> bool:
-        """D's load of P's KV ended without it (failed, timed out, the lease gone): final once true, so it may be read
-        at any time, unlike kv_unused, which says so also while the load is still to come."""
-        return self.kv_remote and self.kv_load_end_time is not None and not self.kv_loaded
+        """D took none of P's KV (refused or failed load, lease gone, all cached here): P may still hold it. Only once
+        that is decided (the load ended, or the request ran without one), so it is final once true and may be read
+        at any time: a request that came with P's token has an output before its load even started."""
+        decided = self.kv_load_end_time is not None or self.first_scheduled_time is not None
+        return self.kv_remote and decided and not self.kv_loaded
 
     @property
     def kv_transfer_time(self) -> float:
@@ -87,4 +84,3 @@ class RequestOutput:
     # on the output of the step that computed the request's first own token (RequestMetrics.ttft_split), fixed then:
     # `metrics` goes on changing (a D's load ends, later steps) before a server reads this output
     timing: Optional[dict] = None
-    kv_unused: bool = False  # with `timing`: D took none of P's KV (RequestMetrics.kv_unused)

@@ -25,8 +25,8 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import RequestSpec, send_request
 from pdserve.bench.http_get import get_json
 from pdserve.bench.datasets import jsonl_dataset, random_dataset, random_prefix
-from pdserve.bench.server_metrics import (format_phases, format_share, format_ttft_split, metric_targets, scrape,
-                                          scrape_phases, scrape_ttft_stages, ttft_split_ms)
+from pdserve.bench.server_metrics import (format_phases, format_share, format_ttft_split, means_ms, metric_targets,
+                                          scrape, scrape_phases, scrape_ttft_stages)
 from pdserve.bench.metrics import compute_metrics, format_metrics, parse_goodput, parse_percentiles, summarize
 
 
@@ -282,8 +282,8 @@ def run_bench_serve(args, quiet: bool = False) -> dict:
     gc.collect()
     gc.freeze()  # as vLLM's client: no collector pause over the objects built so far lands inside a timed request
     results, duration, lags = loop_run(_run(specs, offsets, args, tokenizer, "requests"))
-    after, split = scrape(targets), ttft_split_ms(stages_before, scrape_ttft_stages(args.base_url))
-    phases = ttft_split_ms(phases_before, scrape_phases(targets))
+    after, split = scrape(targets), means_ms(stages_before, scrape_ttft_stages(args.base_url))
+    phases = means_ms(phases_before, scrape_phases(targets))
     metrics = compute_metrics(results, duration, slos, percentiles)
     graph = (after - before).summary() if before is not None and after is not None else None
     if not quiet:

@@ -112,17 +112,17 @@ def _format_spec(sd: dict) -> str:
             f"{'Mean acceptance length:':<44}{sd['mean_acceptance_length']:>16.2f}")
 
 
-def _sums(urls: list[str], names: dict, timeout: float) -> Optional[dict]:
-    """key -> (sum of seconds, count) of the histograms `names` maps to keys (a label value, or the key itself when
-    it is a string) over the `urls`' /metrics; None when none of them has one."""
+def _sums(urls: list[str], keys: dict, timeout: float) -> Optional[dict]:
+    """key -> (sum of seconds, count) of the histograms named in `keys` (family name -> the key of a sample) over
+    the `urls`' /metrics; None when none of them has one."""
     out: dict = {}
     for url in urls:
         for fam in _families(url, timeout):
-            key_of = names.get(fam.name)
+            key_of = keys.get(fam.name)
             if key_of is None:
                 continue
             for s in fam.samples:
-                key = key_of if isinstance(key_of, str) else s.labels.get(key_of[0])
+                key = key_of(s)
                 if s.name.endswith(("_sum", "_count")) and key:
                     total, n = out.get(key, (0.0, 0))
                     out[key] = (total + s.value, n) if s.name.endswith("_sum") else (total, n + int(s.value))
@@ -131,18 +131,18 @@ def _sums(urls: list[str], names: dict, timeout: float) -> Optional[dict]:
 
 def scrape_ttft_stages(base_url: str, timeout: float = 5.0) -> Optional[dict]:
     """stage -> (sum of seconds, count) of a router's TTFT split; None for a target that is not a pdserve router."""
-    return _sums([base_url], {"pdserve_router_ttft_seconds": ("stage",)}, timeout)
+    return _sums([base_url], {"pdserve_router_ttft_seconds": lambda s: s.labels.get("stage")}, timeout)
 
 
 def scrape_phases(urls: list[str], timeout: float = 5.0) -> Optional[dict]:
     """queue / prefill -> (sum of seconds, count) over the `urls` (metric_targets: a router's decode nodes)."""
-    return _sums(urls, {"vllm:request_queue_time_seconds": "queue",
-                        "vllm:request_prefill_time_seconds": "prefill"}, timeout)
+    return _sums(urls, {"vllm:request_queue_time_seconds": lambda s: "queue",
+                        "vllm:request_prefill_time_seconds": lambda s: "prefill"}, timeout)
 
 
-def ttft_split_ms(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
-    """Mean milliseconds per stage over the run's requests (those that passed the stage); for scrape_phases' sums
-    too."""
+def means_ms(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """Mean milliseconds per key over the run's requests (those that passed the stage), from two scrapes' sums
+    (scrape_ttft_stages', scrape_phases')."""
     if after is None:
         return None
     out = {}

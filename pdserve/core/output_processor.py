@@ -93,7 +93,7 @@ class OutputProcessor:
             out = self._process_one(req, st, lp_by_req.get(req.request_id))
             if out is not None:
                 if st.split_due:  # fixed now: the metrics change before a server reads the output
-                    st.split_due, out.timing, out.kv_unused = False, m.ttft_split(), m.kv_unused
+                    st.split_due, out.timing = False, m.ttft_split()
                 outputs.append(out)
         return outputs
 

@@ -32,7 +32,7 @@ class TokenRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     # on the record of the step that computed the request's first own token (RequestOutput.timing): seconds by
     # stage (RequestMetrics.ttft_split); for a request that came with tokens (P's first token on D) a later record
     timing: Optional[dict] = None
-    kv_unused: bool = False  # on that record too: D took none of P's KV (RequestMetrics.kv_unused)
+    kv_unused: bool = False  # D took none of P's KV, once that is decided (RequestMetrics.kv_unused)
     num_external_tokens: int = 0  # prompt tokens imported from a prefill node (or the arrival driver)
     num_preemptions: int = 0  # on the finished record
     # with the first token, when asked: per prompt token its entry as in `logprobs`, None for the first token
@@ -103,9 +103,7 @@ def record(out) -> TokenRecord:
     return TokenRecord(out.request_id, list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason,
                        c.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens, out.error,
                        getattr(out, "kv_transfer_params", None), timing=out.timing,
-                       # a load that already failed counts for any record (P's token on D leaves before D's own
-                       # step: its streamed answer's X-PD-KV-Unused then tells the router to release P's lease)
-                       kv_unused=out.kv_unused or bool(out.metrics and out.metrics.kv_load_failed),
+                       kv_unused=bool(out.metrics and out.metrics.kv_unused),
                        num_external_tokens=out.num_external_tokens,
                        num_preemptions=out.num_preemptions, prompt_logprobs=plps)
 

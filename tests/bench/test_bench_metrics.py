@@ -9,7 +9,7 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.datasets import jsonl_dataset, random_dataset
 from pdserve.bench.metrics import RequestResult, compute_metrics, format_metrics, parse_goodput, summarize
 from pdserve.bench.report import CPU_CAVEAT, format_table
-from pdserve.bench.server_metrics import GraphSnapshot, ttft_split_ms
+from pdserve.bench.server_metrics import GraphSnapshot, means_ms
 
 
 def req(ttft, gaps, tokens=None, prompt_len=10):
@@ -216,7 +216,7 @@ def test_server_counters_are_differenced_over_the_run():
     s = (after - before).summary()
     assert (s["full_steps"], s["non_full_steps"]) == (30, 10) and s["non_full_share"] == pytest.approx(0.25)
     assert s["non_full_reasons"] == {"prefill": 10}
-    split = ttft_split_ms({"kv_transfer": (1.0, 10), "total": (5.0, 10)},
+    split = means_ms({"kv_transfer": (1.0, 10), "total": (5.0, 10)},
                           {"kv_transfer": (1.3, 13), "total": (5.6, 13), "prefill": (0.09, 3)})
     assert split == pytest.approx({"kv_transfer": 100.0, "total": 200.0, "prefill": 30.0})
 
@@ -251,7 +251,7 @@ def test_phases_add_up_the_decode_nodes_histograms(monkeypatch):
     before = server_metrics.scrape_phases(list(pages))
     assert {k: (pytest.approx(t), n) for k, (t, n) in before.items()} == {"queue": (0.03, 5), "prefill": (0.01, 5)}
     pages = {"http://d0": page(0.016, 4, 0.008, 4), "http://d1": page(0.032, 6, 0.012, 6)}
-    assert ttft_split_ms(before, server_metrics.scrape_phases(list(pages))) == pytest.approx(
+    assert means_ms(before, server_metrics.scrape_phases(list(pages))) == pytest.approx(
         {"queue": 3.6, "prefill": 2.0})  # (0.048 - 0.03) s over 5 requests; (0.02 - 0.01) over 5
     pages = {"http://d0": "# TYPE other counter\nother_total 1\n"}
     assert server_metrics.scrape_phases(list(pages)) is None  # another engine: nothing to report

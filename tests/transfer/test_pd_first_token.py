@@ -224,16 +224,18 @@ def test_failed_pull_recomputes_prompt_and_first_token(pd, col):
     assert_whole(p, d)
 
 
+@pytest.mark.parametrize("max_tokens", [2, 6])  # 2: D's first own step is also its last
 @pytest.mark.parametrize("lease", ["held", "gone"])
-def test_d_splits_its_own_first_step_not_ps_token(pd, col, lease):
+def test_d_splits_its_own_first_step_not_ps_token(pd, col, lease, max_tokens):
     """D's records of a request that came with P's token, as the server reads them: the admission record (P's
     token, before any load) has no TTFT split and does not claim D took none of P's KV (not known yet: a streamed
     answer's X-PD-KV-Unused header goes with it); the record of D's first own step has the split, with the KV
     wait, and says whether the KV was imported (P's lease gone: prefilled here, so kv_unused)."""
     from pdserve.serve.engine_messages import record
     p, d = pd
-    prompt = [7] + prompt_of(col, 2 * B)  # 2B + 1 tokens, a prefix no other test left in D's cache
-    sp = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.DELTA)
+    # 2B + 1 tokens, a prefix no other case left in D's cache
+    prompt = [7 + max_tokens + 50 * (lease == "gone")] + prompt_of(col, 2 * B)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
     want, _ = run_col(col, prompt, sp)
     params = prefill(p, prompt, sp).kv_transfer_params
     if lease == "gone":

@@ -41,6 +41,10 @@ def _check_types(d: dict) -> None:
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:  # P's KV server: a bad cap would refuse every D
         raise ValueError(f"kv_transfer_config.kv_connector_extra_config.max_connections must be an integer >= 1, "
                          f"got {cap!r}")
+    direct = d.get("kv_connector_extra_config", {}).get("direct_handoff", True)
+    if not isinstance(direct, bool):  # D (TcpConnector): an early request's engine awaits P's params on its KV channel
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.direct_handoff must be true or false, "
+                         f"got {direct!r}")
     kids = d.get("connectors", [])
     if not isinstance(kids, (list, tuple)) or not all(isinstance(c, dict) for c in kids):
         raise ValueError("kv_transfer_config.connectors must be a list of connector objects")

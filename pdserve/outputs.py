@@ -84,3 +84,6 @@ class RequestOutput:
     # on the output of the step that computed the request's first own token (RequestMetrics.ttft_split), fixed then:
     # `metrics` goes on changing (a D's load ends, later steps) before a server reads this output
     timing: Optional[dict] = None
+    # a failed request's HTTP status before its first byte, where it is not the server's 500: 409 when the prefill
+    # node a decode node awaited handed nothing over
+    error_status: Optional[int] = None

@@ -111,9 +111,10 @@ class Request:
     @property
     def num_importable_tokens(self) -> int:
         """D: prompt tokens whose KV comes from P: n - 1 when D replays the last one (vLLM's way), all n when P's
-        params carry the first token (D's first step is then a plain decode of it)."""
+        params carry the first token (D's first step is then a plain decode of it), or while D awaits P's params
+        (`await_kv`: the router's early decode asks P for the first token)."""
         p = self.kv_transfer_params or {}
-        return self.num_prompt_tokens - (0 if p.get("first_token") else 1)
+        return self.num_prompt_tokens - (0 if p.get("first_token") or p.get("await_kv") else 1)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

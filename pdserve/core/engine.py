@@ -29,6 +29,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched_output import cdiv
 from pdserve.transfer.base import ConnectorContext
+from pdserve.transfer.channel.handoffs import AWAIT_KV, HANDOFF_KEY, valid_key
 from pdserve.transfer.channel.leases import sends_first_token
 from pdserve.transfer.factory import make_connector
 from pdserve.worker import memory
@@ -164,10 +165,13 @@ class LLMEngine:
             raise ValueError(f"n = {params.n}: the engine takes n = 1 requests; submit params.child(i) for i < n")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
-        if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
+        awaits = isinstance(kv_transfer_params, dict) and AWAIT_KV in kv_transfer_params
+        if params.prompt_logprobs is not None and (awaits or (kv_transfer_params or {}).get("do_remote_prefill")):
             raise ValueError(_NO_IMPORTED_PROMPT_LOGPROBS)
         kv_transfer_params, resumed = self._resumed_tokens(kv_transfer_params, len(token_ids), params)
-        if kv_transfer_params is not None:
+        if awaits:  # P's params come with its KV, and are checked then (take_awaited)
+            kv_transfer_params = self.gateway.check_await(kv_transfer_params)
+        elif kv_transfer_params is not None:
             kv_transfer_params = self.gateway.check(kv_transfer_params, token_ids)
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -235,6 +239,37 @@ class LLMEngine:
             self._admitted += self._first_output(req)
         return req
 
+    def take_awaited(self, fin) -> list[Request]:
+        """D: the params awaited loads came with (`fin.params`, channel/handoffs.py), checked and made the requests'
+        own before the loads are applied; a load whose params fail the check becomes `gone` (its KV is dropped
+        unpublished and the prompt prefilled here: P's answer was authenticated, so nobody's fault that a client
+        could cause). Returns the requests that now hold P's first token: their outputs go out once applied."""
+        firsts = []
+        for rid, (params, at) in fin.params.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or rid not in fin.done_recving:  # ended while it awaited: its blocks are freed as usual
+                continue
+            try:
+                checked = self.gateway.check(params, req.prompt_token_ids)
+            except ValueError as e:
+                logger.warning("request %s: the prefill node's awaited params do not check: %s: prefilling it here",
+                               rid, e)
+                fin.done_recving.discard(rid)
+                fin.gone.add(rid)
+                continue
+            req.kv_transfer_params = checked
+            metrics = self.output_processor.states[rid].metrics
+            metrics.arrival_time = metrics.kv_load_start_time = at  # D's part begins with P's params, as via HTTP
+            if checked.get("first_token") is not None:
+                self._take_first_token(req, checked["first_token"])
+                if req.num_output_tokens:
+                    firsts.append(req)
+        return firsts
+
+    def first_outputs(self, reqs: list[Request]) -> list[RequestOutput]:
+        """D: the outputs of P's first tokens that awaited loads brought (`take_awaited`), once the loads applied."""
+        return [out for req in reqs if not req.is_finished for out in self._first_output(req)]
+
     def _first_output(self, req: Request) -> list[RequestOutput]:
         """The output of the tokens a request arrives with (P's first token, a resumed stream's), through the same
         stops (EOS, stop ids, length, stop strings) and output state as tokens sampled here; tokens that end the
@@ -257,7 +292,18 @@ class LLMEngine:
     def _seal_params(self, req: Request, first_logprobs: Optional[dict]) -> Optional[dict]:
         """P: the params of a finished do_remote_decode request as they leave: with its first token (id, logprobs,
         the key of the params that drew it) and signed again when it goes to D; None when that token ended the
-        request (EOS, a stop, its real length cap: D has nothing to do, and the lease ends now)."""
+        request (EOS, a stop, its real length cap: D has nothing to do, and the lease ends now) or when it kept no
+        KV for D. With the router's handoff key, posted for the D that awaits them (channel/handoffs.py)."""
+        sealed = self._sealed(req, first_logprobs) if req.kv_transfer_params_out is not None else None
+        key = (req.kv_transfer_params or {}).get(HANDOFF_KEY)
+        if valid_key(key) and self.connector is not None:
+            why = "" if sealed is not None else req.error or (
+                "its first token ended the request" if req.num_output_tokens and req.status !=
+                RequestStatus.FINISHED_ABORTED else f"it ended {req.status.name.lower()} with no KV kept")
+            self.connector.handoff(key, sealed, why)
+        return sealed
+
+    def _sealed(self, req: Request, first_logprobs: Optional[dict]) -> Optional[dict]:
         params = req.kv_transfer_params_out
         if req.hands_off_first_token and not req.handed_off:
             self.gateway.release_lease(params)

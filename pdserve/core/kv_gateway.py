@@ -4,7 +4,9 @@ engine.
 
 Invariant: a client's params act on this node only after P's proof over them verifies with this node's KV token
 (`check`); nothing unverified reaches the connector, so a client can never make D dial a host of its choosing or end
-a lease it was not given.
+a lease it was not given. The one exception is `await_kv` (D's own server's, for the router's early decode: P's KV
+endpoint and a handoff key, `check_await`): the connector dials it only if it is one of its kv_peers (loopback
+when none), authenticates with the KV token, and what P answers is verified by `check` before the request runs.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from pdserve.model.hf_config import model_dims
+from pdserve.transfer.channel.handoffs import AWAIT_KV, valid_key
 from pdserve.transfer.channel.proof import NOT_VERIFIED, PROBE_LABEL, malformed, prompt_hash, sign_params, \
     verified_params
 
@@ -72,6 +75,19 @@ class KVGateway:
                              f"does not match this request's {len(token_ids)} prompt tokens (params replayed for "
                              "another prompt, or P and D tokenize it differently)")
         return signed
+
+    def check_await(self, params: dict) -> dict:
+        """D: `{"await_kv": {"host", "port", "key"}}` (P's KV endpoint, the handoff key) as the request's params
+        while P prefills (channel/handoffs.py); ValueError when malformed or when this node cannot await."""
+        spec = params.get(AWAIT_KV)
+        if set(params) != {AWAIT_KV} or not isinstance(spec, dict) or set(spec) != {"host", "port", "key"} or \
+                not isinstance(spec["host"], str) or not isinstance(spec["port"], int) or \
+                isinstance(spec["port"], bool) or not valid_key(spec["key"]):
+            raise ValueError(f"kv_transfer_params.{AWAIT_KV}: {{\"host\", \"port\": the prefill node's KV endpoint, "
+                             "\"key\": 32 hex digits}, alone")
+        if self.connector is None or not self.connector.can_await:
+            raise ValueError(f"kv_transfer_params.{AWAIT_KV}: this node's KV connector cannot await a prefill node")
+        return {"do_remote_prefill": True, AWAIT_KV: dict(spec)}
 
     def _why_not_verified(self, params: dict) -> str:
         """D's 400 for params whose proof fails: a client's invention, or P and D holding different KV tokens."""

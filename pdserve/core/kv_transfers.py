@@ -9,8 +9,9 @@ A decode node's (D) request with remote-prefill params:
 3. `process` (each step, the connector's `FinishedTransfers`): a loaded request goes to `ready` (its replay, or
    with P's first token its first decode, takes a seat next); a failed one is recomputed locally (handed back to
    requeue) or failed, by the failure policy; one P no longer held the KV for (`gone`: P answered `expired`) is
-   recomputed locally whatever the policy; a load that cannot be stopped and is overdue (`overdue`) lets its
-   request go on while its blocks stay held under a stand-in id until the load `ended`;
+   recomputed locally whatever the policy, and an await P handed nothing to (`refused`) fails whatever it; a load
+   that cannot be stopped and is overdue (`overdue`) lets its request go on while its blocks stay held under a
+   stand-in id until the load `ended`;
 4. `finish`: a request finished while loading leaves its blocks in `deferred_free` until its load reports.
 A prefill node's (P) finished request whose blocks the connector keeps for a reader sits in `leased` until the
 connector reports it `done_sending` (read, released or expired).
@@ -124,7 +125,7 @@ class KVTransfers:
             if req is not None:
                 self.kv.free(req)
                 self.reclaim.observe(now - fin.released_at.get(rid, now))
-        failed_loads = dict(fin.failed)
+        failed_loads = {**fin.failed, **fin.refused}
         for rid, why in fin.overdue.items():
             held = self._hold(rid)
             if held is not None:
@@ -154,7 +155,7 @@ class KVTransfers:
                 req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
                 self.kv.cache_blocks(req)  # authenticated and complete: safe to share
                 self.ready.append(req)
-            elif self.load_failure_policy == "recompute" or rid in fin.gone:
+            elif (self.load_failure_policy == "recompute" and rid not in fin.refused) or rid in fin.gone:
                 # The partly written blocks are dropped, never published; the prompt is prefilled here, in the
                 # queue's front (it came before whatever arrived while it loaded). A lease gone (LeaseGone) is
                 # nobody's failure: prefilled here whatever the policy.
@@ -194,6 +195,7 @@ class KVTransfers:
         if keep:
             self.leased[req.request_id] = req
         elif was_loading:  # a loader thread may still write these blocks: free them when it reports
+            self.connector.cancel_load(req.request_id)  # an await stops soon; a pull runs to its end
             self.deferred_free[req.request_id] = req
             self._orphaned_at[req.request_id] = time.monotonic()
         else:

@@ -166,7 +166,7 @@ class OutputProcessor:
         metrics = st.metrics
         if finished:
             metrics.finished_time = time.monotonic()
-        if finished and req.kv_transfer_params_out is not None and self._seal_params is not None:
+        if finished and self._seal_params is not None and (req.kv_transfer_params or {}).get("do_remote_decode"):
             req.kv_transfer_params_out = self._seal_params(req, st.logprobs[0] if st.logprobs else None)
         comp = CompletionOutput(0, detok.released_text if cumulative else delta,
                                 list(req.output_token_ids) if cumulative else new_ids, None, logprobs,

@@ -48,6 +48,7 @@ from pdserve.model.layers import _warm_vml
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.transfer.channel.handoffs import AWAIT_KV
 from pdserve.worker.device_errors import device_unusable
 from pdserve.worker.openmp import release_thread_pool
 
@@ -89,13 +90,18 @@ class EngineStep:
         if eng.connector is None:
             return admitted
         fin = eng.connector.get_finished()
+        firsts = eng.take_awaited(fin) if fin.params else []
         now = time.monotonic()
-        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue) | fin.gone:
+        for rid in fin.done_recving | set(fin.failed) | set(fin.overdue) | fin.gone | set(fin.refused):
             if (st := eng.output_processor.states.get(rid)) is not None:
                 st.metrics.kv_load_end_time = now
                 st.metrics.kv_loaded = rid in fin.done_recving
-        failed = eng.scheduler.process_transfers(fin)
-        return admitted + [eng.output_processor.make_output(r, []) for r in failed if r is not None]
+        outputs = [eng.output_processor.make_output(r, []) for r in eng.scheduler.process_transfers(fin)
+                   if r is not None]
+        for out in outputs:
+            if out.request_id in fin.refused:
+                out.error_status = 409  # P handed nothing over: the router has P's answer (serve/handoff.py)
+        return admitted + outputs + eng.first_outputs(firsts)
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, then the KV connector's loads it made (started in the background)."""
@@ -127,7 +133,9 @@ class EngineStep:
         if eng.connector is None or not eng.scheduler.start_loads():
             return []
         loading = eng.scheduler.transfers.loading
-        pending = [rid for rid in self._start_loads() if rid in loading]
+        # not an await (channel/handoffs.py): it lasts P's queue and prefill, and the step would only wait it out
+        pending = [rid for rid in self._start_loads() if rid in loading and
+                   AWAIT_KV not in (loading[rid].kv_transfer_params or {})]
         deadline = time.monotonic() + eng.kv_load_wait
         outputs = []
         while pending and time.monotonic() < deadline:

@@ -30,7 +30,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.body import DRAIN_SLACK, read_body
 from pdserve.serve import json_body
 from pdserve.serve.errors import APIError, bad_request, install_error_handlers
-from pdserve.serve.handoff import Handoffs, ParamsClient
+from pdserve.serve.handoff import Handoffs, KVEndpoints, ParamsClient
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.serve.prompts import CHARS_PER_TOKEN, ModelInfo
@@ -54,6 +54,10 @@ class ServerState:
         self.handoffs = Handoffs()  # P: params for the D that took a request early (serve/handoff.py)
         self.params_client = ParamsClient(self.kv_token)  # D: asks P for them
         self.peer_hosts = frozenset(h for c in ((kv, *kv.connectors) if kv is not None else ()) for h in c.peer_hosts())
+        # D: P's KV endpoints, where its engine awaits an early request's params (serve/handoff.py KVEndpoints)
+        direct = kv is not None and kv.kv_connector == "TcpConnector" and kv.kv_role in ("kv_consumer", "kv_both") \
+            and kv.kv_connector_extra_config.get("direct_handoff", True)
+        self.kv_endpoints = KVEndpoints() if direct else None
         self.names = tuple(cfg.served_model_name) or (Path(self.model_dir).name,)
         self.api_key = cfg.api_key or os.environ.get("PDSERVE_API_KEY") or None
         check_model_dir(self.model_dir)
@@ -102,7 +106,7 @@ class ServerState:
             info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
             self.cfg.max_waiting, self.max_num_seqs, kv_token=self.kv_token,
             trust_request_chat_template=self.cfg.trust_request_chat_template),
-            self.handoffs, self.params_client, self.peer_hosts)
+            self.handoffs, self.params_client, self.peer_hosts, self.kv_endpoints)
         if self.cfg.trust_request_chat_template:
             logger.warning("--trust-request-chat-template: requests' own chat templates are rendered (code from "
                            "clients, run by this server): only for clients you trust")

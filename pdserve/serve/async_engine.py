@@ -206,7 +206,8 @@ class AsyncEngine:
         st = self._reqs.get(rec.request_id)
         if st is None:
             return
-        if self.metrics is not None and not rec.rejected:
+        # refused before its first byte (a 400, or a 409: the P it awaited handed nothing over): not served here
+        if self.metrics is not None and not rec.rejected and not rec.error_status:
             self.metrics.on_tokens(st, rec, t)
         if st.first_time is None and (rec.new_token_ids or rec.finished):
             self._num_queued -= 1

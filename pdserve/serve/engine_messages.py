@@ -29,6 +29,7 @@ class TokenRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     error: Optional[str] = None
     kv_transfer_params: Optional[dict] = None  # P/D producer: where a decode node reads this request's KV
     rejected: bool = False  # the engine refused the request (its add_request raised ValueError): a 400
+    error_status: Optional[int] = None  # RequestOutput.error_status: another status than 500 for a failed request
     # on the record of the step that computed the request's first own token (RequestOutput.timing): seconds by
     # stage (RequestMetrics.ttft_split); for a request that came with tokens (P's first token on D) a later record
     timing: Optional[dict] = None
@@ -105,7 +106,8 @@ def record(out) -> TokenRecord:
                        getattr(out, "kv_transfer_params", None), timing=out.timing,
                        kv_unused=bool(out.metrics and out.metrics.kv_unused),
                        num_external_tokens=out.num_external_tokens,
-                       num_preemptions=out.num_preemptions, prompt_logprobs=plps)
+                       num_preemptions=out.num_preemptions, prompt_logprobs=plps,
+                       error_status=getattr(out, "error_status", None))
 
 
 def _entry(tok: int, entry: dict) -> list:

@@ -22,25 +22,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import re
 import time
 from typing import Optional
 from urllib.parse import urlsplit
 
 from pdserve.kv_transfer_config import LOOPBACK
+from pdserve.transfer.channel.handoffs import HANDOFF_KEY, valid_key  # noqa: F401  (re-exported)
 
-HANDOFF_KEY = "handoff_key"  # in P's kv_transfer_params: where its params go besides its answer
 AWAIT_PREFILL = "await_prefill"  # D's kv_transfer_params: {"url": P's URL, "key": the handoff key}
 PROOF_HEADER = "X-PD-Handoff-Proof"
 WAIT_SECONDS = 60.0  # D waits this long for P's params (P's queue included), then answers 409
 KEEP_SECONDS = 60.0  # P keeps params no D has taken this long
 MAX_WAITING = 4096  # keys D asks for that P has not seen: more is refused (503), so no client fills P's memory
-_KEY = re.compile(r"[0-9a-f]{32}")
 _LABEL = b"pdserve handoff v1\0"
-
-
-def valid_key(key) -> bool:
-    return isinstance(key, str) and _KEY.fullmatch(key) is not None
 
 
 def handoff_proof(kv_token: str, key: str) -> str:
@@ -93,6 +87,30 @@ class Handoffs:
         finally:  # one taker: gone once answered, timed out or abandoned
             self._entries.pop(key, None)
             self._resolved_at.pop(key, None)
+
+
+class KVEndpoints:
+    """D: each P's KV endpoint by its URL, learnt from the params P handed over through `GET /v1/kv/handoff`, so
+    later requests' engines await P's params on P's KV channel itself (channel/handoffs.py) instead. An endpoint is
+    used for `TTL` seconds, then learnt again the HTTP way: a P restarted on other ports is found within that
+    (meanwhile its requests' awaits fail to connect and are prefilled here). Event loop only."""
+    TTL = 30.0
+
+    def __init__(self):
+        self._by_url: dict[str, tuple[str, int, float]] = {}
+
+    def learn(self, url: str, params: dict) -> None:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if params.get("kv_connector", "TcpConnector") == "TcpConnector" and isinstance(host, str) and \
+                isinstance(port, int) and not isinstance(port, bool):
+            self._by_url[url] = (host, port, time.monotonic() + self.TTL)
+
+    def get(self, url: str) -> Optional[tuple[str, int]]:
+        got = self._by_url.get(url)
+        if got is None or got[2] < time.monotonic():
+            self._by_url.pop(url, None)
+            return None
+        return got[0], got[1]
 
 
 def dialable(url: str, peer_hosts: frozenset) -> Optional[str]:

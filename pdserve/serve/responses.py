@@ -95,6 +95,7 @@ class ResponseBuilder:
         self.error: Optional[str] = None
         self.kv_transfer_params: Optional[dict] = None
         self.rejected = False
+        self.error_status: Optional[int] = None
         self.timing: Optional[dict] = None  # the engine's TTFT split, from the first token's record
         self.kv_unused = False
         self.prompt_lps: Optional[list] = None  # with the first token, when asked (TokenRecord.prompt_logprobs)
@@ -120,6 +121,7 @@ class ResponseBuilder:
             self.finish_reason, self.stop_reason, self.error = rec.finish_reason, rec.stop_reason, rec.error
             self.kv_transfer_params = rec.kv_transfer_params
             self.rejected = rec.rejected
+            self.error_status = rec.error_status
 
     def usage(self) -> dict:
         """Each prompt once, every choice's tokens (as vLLM's for n > 1 and batches); the cached tokens of a prompt

@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.errors import APIError
-from pdserve.serve.handoff import AWAIT_PREFILL, HANDOFF_KEY, Handoffs, ParamsClient, dialable, valid_key
+from pdserve.serve.handoff import AWAIT_PREFILL, HANDOFF_KEY, Handoffs, KVEndpoints, ParamsClient, dialable, \
+    valid_key
+from pdserve.transfer.channel.handoffs import AWAIT_KV
 from pdserve.serve.offload import off_loop
 from pdserve.serve.parallel_sampling import create_n
 from pdserve.serve.prompts import ModelInfo
@@ -59,12 +61,14 @@ ROUTER_DEFAULT_FIELDS = frozenset({"no_stop_trim", "return_hidden_states", "cont
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, info: ModelInfo, handoffs: Optional[Handoffs] = None,
-                 params_client: Optional[ParamsClient] = None, peer_hosts: frozenset = frozenset()):
+                 params_client: Optional[ParamsClient] = None, peer_hosts: frozenset = frozenset(),
+                 kv_endpoints: Optional[KVEndpoints] = None):
         self.engine = engine
         self.info = info
         self.handoffs = handoffs if handoffs is not None else Handoffs()  # P: params for an early D
         self.params_client = params_client  # D: asks P for them (serve/handoff.py)
         self.peer_hosts = peer_hosts  # D: the hosts of its kv_peers, the only ones it asks
+        self.kv_endpoints = kv_endpoints  # D: P's KV endpoints by URL, where its engine awaits P's params directly
 
     async def create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float) -> Response:
         kvp = data.get("kv_transfer_params")
@@ -97,8 +101,24 @@ class OpenAIServing:
         if params is None:
             raise APIError(409, f"kv_transfer_params.{AWAIT_PREFILL}: the prefill node handed nothing over: {why}",
                            "kv_transfer_params")
+        if self.kv_endpoints is not None:
+            self.kv_endpoints.learn(spec["url"], params)
         greq.kv_transfer_params = params
         return time.monotonic()
+
+    def _await_directly(self, greq) -> bool:
+        """D: the engine awaits P's params and KV on P's KV channel (channel/handoffs.py) when this node's
+        connector can and P's KV endpoint is known; else False (the HTTP way, which learns the endpoint)."""
+        spec = greq.kv_transfer_params.get(AWAIT_PREFILL)
+        if self.kv_endpoints is None or set(greq.kv_transfer_params) != {AWAIT_PREFILL} or \
+                not isinstance(spec, dict) or not valid_key(spec.get("key")) or not isinstance(spec.get("url"), str) \
+                or dialable(spec["url"], self.peer_hosts) is not None:
+            return False
+        endpoint = self.kv_endpoints.get(spec["url"])
+        if endpoint is None:
+            return False
+        greq.kv_transfer_params = {AWAIT_KV: {"host": endpoint[0], "port": endpoint[1], "key": spec["key"]}}
+        return True
 
     async def _create(self, kind: str, data: dict, request: Request, request_id: str, arrival: float,
                       handoff: Optional[str] = None) -> Response:
@@ -112,7 +132,14 @@ class OpenAIServing:
                 noisy = [f for f in greq.unknown_fields if f not in ROUTER_DEFAULT_FIELDS]
                 (logger.warning if noisy else logger.debug)("ignoring unknown field(s): %s",
                                                             ", ".join(greq.unknown_fields))
-            if isinstance(greq.kv_transfer_params, dict) and AWAIT_PREFILL in greq.kv_transfer_params:
+            if isinstance(greq.kv_transfer_params, dict) and AWAIT_KV in greq.kv_transfer_params:
+                raise APIError(400, f"kv_transfer_params.{AWAIT_KV}: this node's own, not a client's: send "
+                                    f"{AWAIT_PREFILL}", "kv_transfer_params")
+            direct = isinstance(greq.kv_transfer_params, dict) and AWAIT_PREFILL in greq.kv_transfer_params and \
+                self._await_directly(greq)
+            if direct:
+                lease_params = None  # no lease until P posts: nothing to release on a refusal
+            elif isinstance(greq.kv_transfer_params, dict) and AWAIT_PREFILL in greq.kv_transfer_params:
                 arrival = await self._await_params(greq, request)
                 if arrival is None:
                     return Response(status_code=499)
@@ -127,8 +154,9 @@ class OpenAIServing:
             raise
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         builder = ResponseBuilder(greq, prefix + st.request_id, int(time.time()))
-        logger.info("%s request: %d prompt tokens%s, max_tokens=%s, stream=%s", kind, len(greq.prompt_token_ids),
-                    " (P's, not tokenized here)" if greq.ids_from_prefill else "", greq.params.max_tokens, greq.stream)
+        logger.info("%s request: %d prompt tokens%s%s, max_tokens=%s, stream=%s", kind, len(greq.prompt_token_ids),
+                    " (P's, not tokenized here)" if greq.ids_from_prefill else "",
+                    " (P's params awaited on its KV channel)" if direct else "", greq.params.max_tokens, greq.stream)
         gen = self.engine.stream(st)
         if greq.stream:
             first, headers = None, _SSE_HEADERS
@@ -164,6 +192,8 @@ class OpenAIServing:
             await gen.aclose()
             if last.rejected:
                 raise APIError(400, last.error or "request refused", "kv_transfer_params")
+            if last.error_status:
+                raise APIError(last.error_status, last.error or "request failed", "kv_transfer_params")
             raise APIError(500, f"the request failed: {last.error or 'engine error'}")
         return recs
 
@@ -183,6 +213,8 @@ class OpenAIServing:
         if builder.finish_reason == "error":
             if builder.rejected:
                 raise APIError(400, builder.error or "request refused", "kv_transfer_params")
+            if builder.error_status:
+                raise APIError(builder.error_status, builder.error or "request failed", "kv_transfer_params")
             raise APIError(500, f"the request failed: {builder.error or 'engine error'}")
         logger.info("finished: %s, %d tokens", builder.finish_reason, len(builder.token_ids))
         return JSONResponse(builder.full(), headers=server_timing(builder.timing, builder.kv_unused))

@@ -54,6 +54,12 @@ class FinishedTransfers:
     # `ended`; a request that finished while loading keeps its blocks held the same way.
     overdue: dict[str, str] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)  # consumer: overdue loads now over (one entry per overdue report)
+    # consumer: awaits P answered with nothing to hand over (its first token ended the request, it failed or was
+    # refused): request id -> why. The request is over on P too: it ends here (a 409), whatever the failure policy.
+    refused: dict[str, str] = field(default_factory=dict)
+    # consumer: an awaited load's params (channel/handoffs.py), not verified yet, and when they came
+    # (time.monotonic()), by request id; the request is in done_recving too
+    params: dict[str, tuple[dict, float]] = field(default_factory=dict)
     # producer: for done_sending requests, when their lease ended or expired (time.monotonic()): from then until
     # the scheduler frees the blocks is their reclaim time
     released_at: dict[str, float] = field(default_factory=dict)
@@ -115,6 +121,16 @@ class KVConnector(ABC):
 
     def request_abandoned(self, req: Request) -> None:
         """Consumer: `req` finished before its load started; let the producer release what it holds for it."""
+
+    def handoff(self, key: str, params: Optional[dict], reason: str) -> None:
+        """Producer: the request with handoff key `key` ended: a D may await what it hands over on this connector's
+        KV server (sealed `params`, or None and why). A no-op where the transport has no such await."""
+
+    def cancel_load(self, request_id: str) -> None:
+        """Consumer: the request finished while its load runs: stop the load if it can still stop (an await not
+        answered yet). It is reported ended (done or failed) either way."""
+
+    can_await = False  # consumer: loads with `await_kv` params (channel/handoffs.py) are this connector's to run
 
     def orphaned_leases(self) -> dict[str, float]:
         """Producer: {request id: since when (time.monotonic())} of requests whose blocks this connector still keeps

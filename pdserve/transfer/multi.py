@@ -94,7 +94,13 @@ class MultiConnector(KVConnector):
             out.gone |= f.gone
             out.overdue.update(f.overdue)
             out.ended |= f.ended
+            out.params.update(f.params)
+            out.refused.update(f.refused)
         return out
+
+    def handoff(self, key: str, params: Optional[dict], reason: str) -> None:
+        for c in self.children:  # only a child with an await on its KV server keeps it
+            c.handoff(key, params, reason)
 
     def orphaned_leases(self) -> dict[str, float]:
         """Requests every keeping child holds for no reader any more: since the last of them let go."""

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.serve import handoff
-from pdserve.serve.handoff import Handoffs, dialable, handoff_proof, valid_key
+from pdserve.serve.handoff import Handoffs, KVEndpoints, dialable, handoff_proof, valid_key
 
 K1, K2 = "a" * 32, "b" * 32
 
@@ -101,3 +101,16 @@ def test_d_asks_only_hosts_of_its_kv_peers(url, peers, ok):
 def test_keys_and_proofs():
     assert valid_key(K1) and not valid_key("A" * 32) and not valid_key("a" * 31) and not valid_key(None)
     assert handoff_proof("t", K1) != handoff_proof("u", K1) != handoff_proof("t", K2)
+
+
+def test_kv_endpoints_are_learnt_from_tcp_params_and_expire(monkeypatch):
+    eps = KVEndpoints()
+    assert eps.get("http://p") is None
+    eps.learn("http://p", {"remote_host": "127.0.0.1", "remote_port": 7001})
+    eps.learn("http://n", {"remote_host": "127.0.0.1", "remote_port": 7002, "kv_connector": "NixlConnector"})
+    eps.learn("http://b", {"remote_host": "127.0.0.1", "remote_port": True})
+    assert eps.get("http://p") == ("127.0.0.1", 7001)
+    assert eps.get("http://n") is None and eps.get("http://b") is None  # no await on NIXL; a bool is no port
+    monkeypatch.setattr(KVEndpoints, "TTL", -1.0)
+    eps.learn("http://p", {"remote_host": "127.0.0.1", "remote_port": 7003})
+    assert eps.get("http://p") is None  # past its TTL: learnt again the HTTP way

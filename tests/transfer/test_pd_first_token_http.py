@@ -134,6 +134,9 @@ def test_y_streams_went_to_a_d_asked_while_p_prefilled(dep):
     streamed = metric(dep["R"].url, "pdserve_router_early_decode_total", outcome="streamed")
     assert streamed >= 7 and metric(dep["R"].url, "pdserve_router_early_decode_total", outcome="replaced") == 0
     assert metric(dep["R"].url, "pdserve_router_early_decode_total", outcome="dropped") >= 1
+    # once D learnt P's KV endpoint over HTTP, its engine awaited P's params on P's KV channel (channel/handoffs.py)
+    direct = dep["D"].log().count("awaited on its KV channel")
+    assert 5 <= direct <= streamed, (direct, streamed)
 
 
 def test_y_handoff_route_and_await_edges(dep):
@@ -147,6 +150,9 @@ def test_y_handoff_route_and_await_edges(dep):
     r = httpx.post(d + "/v1/completions", json=far, timeout=10)  # never dialled: not one of D's kv_peers
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
     assert "10.1.2.3" in r.json()["error"]["message"]
+    mine = {**body, "kv_transfer_params": {"await_kv": {"host": "127.0.0.1", "port": 9, "key": key}}}
+    r = httpx.post(d + "/v1/completions", json=mine, timeout=10)  # D's server's own, never a client's
+    assert r.status_code == 400 and "await_prefill" in r.json()["error"]["message"]
     # P's first token ends its request: P hands nothing over, and the D that waits answers 409 (no KV taken)
     ended = {"model": "qwen3-tiny-s0", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
              "kv_transfer_params": {"do_remote_decode": True, "first_token": True, "handoff_key": key}}

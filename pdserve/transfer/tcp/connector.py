@@ -69,6 +69,19 @@ class TcpConnector(RoleConnector):
         """P's answer to D's `renew`: seconds left in the extended lease; 0 for an unknown, released or expired one."""
         return self.lease_table.renew(tid)
 
+    def handoff(self, key: str, params: Optional[dict], reason: str) -> None:
+        if self.producer is not None:
+            self.producer.handoff(key, params, reason)
+
+    # ---- consumer ------------------------------------------------------------------------------------------
+    @property
+    def can_await(self) -> bool:
+        return self.consumer is not None
+
+    def cancel_load(self, request_id: str) -> None:
+        if self.consumer is not None:
+            self.consumer.cancel(request_id)
+
     # ---- both ----------------------------------------------------------------------------------------------
     def get_finished(self) -> FinishedTransfers:
         out = FinishedTransfers()

@@ -25,6 +25,13 @@ Consumer (D) lifecycle of a request:
    (a 400 or 503 answer, an abort while queued): `release_remote`, only for params with a valid router proof and
    only to a peer in `kv_peers`; a stopping D gives the `done`s its last aborts queued up to SHUTDOWN_GRACE to go
    out.
+A request taken before P prefilled it (the router's early decode) comes with `await_kv` params instead (P's KV
+endpoint and the handoff key, channel/handoffs.py): step 1 offers all n prompt tokens unchecked, step 3 awaits P's
+post on a worker of its own (`kv-await`: an await lasts P's queue and prefill, and must not hold the loads' workers)
+and gets the params and the KV in one operation, and step 4 reports the load done with the params, which the engine
+verifies before the request runs; P answering `expired` is `gone` (prefilled here), P handing nothing over is
+`refused` (the request ends: it is over on P), and a request that ends meanwhile stops its await within a slice
+(`cancel`).
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ from contextlib import suppress
 from pdserve.kv_transfer_config import LOOPBACK
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, LoadJob, load_job
+from pdserve.sched_output import cdiv
+from pdserve.transfer.channel.handoffs import AWAIT_KV, SLICE, WAIT_SECONDS, read_params
 from pdserve.transfer.channel.leases import LeaseKeeper, ask_renew, prompt_hash, send_done
 from pdserve.transfer.channel.peer_workers import PeerWorkers, peer_of
 from pdserve.transfer.channel.protocol import TIMEOUTS, LeaseGone, ProtocolError
@@ -44,6 +53,18 @@ from pdserve.transfer.channel.pool import SessionPool
 
 logger = logging.getLogger("pdserve.transfer")
 SHUTDOWN_GRACE = 2.0  # s a stopping D gives its queued `done`s (and loads) before dropping them
+AWAITS_PER_PEER = 16  # awaits at once per P: each holds its worker for P's queue and prefill
+
+
+class HandedNothing(ProtocolError):
+    """P's request ended without handing anything over (its first token ended it, it failed): so does D's."""
+
+
+class _Pending:
+    pass
+
+
+PENDING = _Pending()
 
 
 class TcpConsumer:
@@ -57,7 +78,11 @@ class TcpConsumer:
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
         self._gone: set[str] = set()  # loads P answered `expired` (LeaseGone)
+        self._params: dict[str, tuple[dict, float]] = {}  # awaited loads' params, and when they came
+        self._refused: dict[str, str] = {}  # awaits P answered with nothing to hand over
+        self._cancelled: set[str] = set()  # awaits whose request ended: they stop at their next slice
         self._loaders = PeerWorkers(4, "kv-load")  # a hung P holds only its own requests' workers
+        self._awaiters = PeerWorkers(AWAITS_PER_PEER, "kv-await")
         self.keeper = LeaseKeeper(config.kv_lease_seconds, self.check_remote,
                                   lambda fn, req: self._loaders.submit(peer_of(req.kv_transfer_params), fn, req))
 
@@ -100,10 +125,23 @@ class TcpConsumer:
         self.start_load_kv(ConnectorMeta([LoadJob(request_id, dict(params), 0, [])]))
         return True
 
+    def _await_peer(self, spec) -> tuple[str, int]:
+        if not isinstance(spec, dict):
+            raise ValueError(f"{AWAIT_KV}: not an object")
+        return self._peer({"remote_host": spec.get("host"), "remote_port": spec.get("port")})
+
     def get_num_new_matched_tokens(self, req: Request, num_local_computed: int) -> int:
         p = req.kv_transfer_params or {}
         if not p.get("do_remote_prefill"):
             return 0
+        if AWAIT_KV in p:  # nothing to check before P's params come: the engine checks them then
+            try:
+                self._await_peer(p[AWAIT_KV])
+            except ValueError as e:
+                self.stats.count("rejected")
+                logger.warning("request %s: not awaiting remote KV: %s", req.request_id, e)
+                return 0
+            return max(req.num_importable_tokens - num_local_computed, 0)
         n = req.num_prompt_tokens
         why, peer_ok = None, self.peer_allowed(str(p.get("remote_host")), int(p.get("remote_port", -1)))
         if not peer_ok:
@@ -135,7 +173,93 @@ class TcpConsumer:
         for job in meta.loads:
             with self._lock:
                 self._inflight.add(job.request_id)
-            self._loaders.submit(peer_of(job.params), self._pull, job, time.monotonic())
+            if AWAIT_KV in job.params:
+                spec = job.params[AWAIT_KV]
+                self._awaiters.submit(f"{spec.get('host')}:{spec.get('port')}", self._await, job, time.monotonic())
+            else:
+                self._loaders.submit(peer_of(job.params), self._pull, job, time.monotonic())
+
+    def cancel(self, request_id: str) -> None:
+        """The request ended while its load runs: an await stops at its next slice (a pull runs to its end)."""
+        with self._lock:
+            if request_id in self._inflight:
+                self._cancelled.add(request_id)
+
+    def _await(self, job: LoadJob, queued: float) -> None:
+        """An awaited load: P's params and KV once P posts them (channel/handoffs.py), asked a slice at a time until
+        WAIT_SECONDS from `queued`, or until the request ends."""
+        rid, until = job.request_id, queued + WAIT_SECONDS
+        try:
+            host, port = self._await_peer(job.params[AWAIT_KV])
+            got = PENDING
+            while got is PENDING:
+                with self._lock:
+                    if rid in self._cancelled:
+                        raise InterruptedError("the request ended while it awaited the prefill node's params")
+                now = time.monotonic()
+                if now >= until:
+                    raise TimeoutError(f"the prefill node posted no params within {WAIT_SECONDS:.0f} s")
+                wait = min(SLICE, until - now)
+                got = self.pool.call(host, port, now + wait + self.config.kv_transfer_timeout,
+                                     lambda session: self._await_once(session, job, wait))
+            with self._lock:
+                self._done.add(rid)
+                self._params[rid] = got
+            with self.stats.lock:  # from P's params on: the wait for P's prefill is not receiving
+                self.stats.seconds_receiving += time.monotonic() - got[1]
+        except HandedNothing as e:  # P's request is over: the router has P's answer, D's request ends too
+            logger.info("request %s: %s", rid, e)
+            with self._lock:
+                self._refused[rid] = str(e)
+        except LeaseGone as e:  # the client did nothing wrong: prefilled here
+            self.stats.count("lease_gone")
+            logger.info("request %s: %s: prefilling it here", rid, e)
+            with self._lock:
+                self._gone.add(rid)
+        except Exception as e:
+            cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
+            if not isinstance(e, InterruptedError):
+                self.stats.count(cause)
+                logger.warning("request %s: awaited KV load failed (%s): %s", rid, cause, e)
+            with self._lock:
+                self._failed[rid] = f"awaited KV load failed ({cause}): {e}"
+        finally:
+            with self._lock:
+                self._inflight.discard(rid)
+                self._cancelled.discard(rid)
+
+    def _await_once(self, session, job: LoadJob, wait: float):
+        """One `await`: PENDING, or (P's params, when they came) with the KV received into the job's blocks."""
+        spec, dst = job.params[AWAIT_KV], job.dst_blocks
+        session.send({"op": "await", "key": spec["key"], "start": job.src_start, "count": len(dst), "wait": wait})
+        header, views = session.recv()
+        status = header.get("status")
+        if status == "pending":
+            return PENDING
+        if status == "none":
+            raise HandedNothing(f"the prefill node handed nothing over: {header.get('reason') or 'no reason'}")
+        if status == "expired":
+            raise LeaseGone("the prefill node no longer holds the KV it posted")
+        if status != "ok":
+            raise ProtocolError(f"producer answered {status!r} to an await")
+        at, params = time.monotonic(), read_params(views)
+        count = header.get("count")
+        first = job.src_start
+        n = params.get("num_prompt_tokens")
+        needed = cdiv(n - (0 if "first_token" in params else 1), self.block_size) - first if isinstance(n, int) else -1
+        if not isinstance(count, int) or not 0 <= needed <= count <= len(dst):
+            raise ProtocolError(f"producer sends {count!r} blocks for an await of {len(dst)} from block {first}, "
+                                f"whose params need {needed}")
+        for i in range(0, count, BLOCKS_PER_READ):
+            batch = dst[i:min(i + BLOCKS_PER_READ, count)]
+            into = self.blocks.receive_into(batch)
+            h, _ = session.recv(into=into)
+            if h.get("status") != "ok" or h.get("count") != len(batch):
+                raise ProtocolError(f"producer answered {h.get('status')!r} within an await")
+            self.blocks.finish_receive(batch, into)
+            with self.stats.lock:
+                self.stats.bytes_received += len(batch) * self.blocks.bytes_per_block
+        return params, at
 
     def _pull(self, job: LoadJob, queued: float) -> None:
         """A load, or with no `dst_blocks` a bare `done` that only releases P's lease. Either has
@@ -198,6 +322,8 @@ class TcpConsumer:
                 self.stats.bytes_received += len(dst) * self.blocks.bytes_per_block
 
     def lease_time_left(self, req: Request) -> float:
+        if AWAIT_KV in (req.kv_transfer_params or {}):  # no lease yet: the await's own wait
+            return req.arrival_time + WAIT_SECONDS - time.monotonic()
         return self.keeper.time_left(req)
 
     def watch_lease(self, req: Request) -> None:
@@ -219,11 +345,17 @@ class TcpConsumer:
             out.done_recving, self._done = self._done, set()
             out.failed, self._failed = self._failed, {}
             out.gone, self._gone = self._gone, set()
+            out.params, self._params = self._params, {}
+            out.refused, self._refused = self._refused, {}
 
     def has_pending(self) -> bool:
         with self._lock:
-            return bool(self._inflight or self._done or self._failed or self._gone or self._queued)
+            return bool(self._inflight or self._done or self._failed or self._gone or self._queued or self._refused or
+                        self._params)
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._cancelled |= self._inflight  # awaits stop at their next slice
+        self._awaiters.shutdown()
         self._loaders.shutdown(grace=SHUTDOWN_GRACE)
         self.pool.close()

@@ -1,0 +1,238 @@
+"""The direct hand-off (channel/handoffs.py) at the engine level, over the tcp connector: D takes the request before P
+prefills it (`await_kv`: P's KV endpoint and the handoff key), its loader awaits P's post on P's KV server, and P's
+params and KV come in one operation; D checks the params and runs the request from P's first token.
+
+Oracle: a collocated engine on the same weights (float64); both block pools whole after every case, including the
+ways it fails: P hands nothing over, the params do not check, the await runs out, P is not there, D's request ends
+while it awaits."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.transfer.channel import handoffs
+from pdserve.transfer.tcp import consumer as tcp_consumer
+from tests.server_harness import free_port
+from tests.transfer.test_pd_engine import assert_whole, drain
+from tests.transfer.test_pd_first_token import ENGINE, SAMPLING, B, _ids, _kv, lp_view, prompt_of, run_col
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(scope="module")
+def col(qwen3_tiny):
+    return LLM(qwen3_tiny, **ENGINE)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def pd(qwen3_tiny, request):
+    p = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), async_scheduling=request.param,
+            **ENGINE)
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0),
+            async_scheduling=request.param, **ENGINE)
+    yield p, d
+    p.engine.shutdown()
+    d.engine.shutdown()
+
+
+def await_params(p, key=None) -> dict:
+    return {"await_kv": {"host": "127.0.0.1", "port": p.engine.connector.port, "key": key or uuid.uuid4().hex}}
+
+
+def start_d(d, prompt, sp, params, rid="d", steps=3):
+    """D takes the request and steps a while: it allocates the blocks and its await waits for P."""
+    d.engine.add_request(prompt, sp, request_id=rid, kv_transfer_params=params)
+    outs = [o for _ in range(steps) for o in d.engine.step()]
+    assert not any(o.outputs[0].token_ids for o in outs if o.request_id == rid)  # nothing before P's post
+    return outs
+
+
+def run_p(p, prompt, sp, key, ask=True, abort=False):
+    rid = f"p{next(_ids)}"
+    params = {"do_remote_decode": True, "handoff_key": key, **({"first_token": True} if ask else {})}
+    p.engine.add_request(prompt, sp, request_id=rid, kv_transfer_params=params)
+    if abort:
+        return p.engine.abort_request(rid)
+    while p.engine.scheduler.has_unfinished():
+        for o in p.engine.step():
+            if o.finished:
+                return o
+    raise AssertionError("P made no final output")
+
+
+def finish_p(p, timeout=10.0):
+    """P's lease ends once D's await read it (or the router's release): its blocks come back."""
+    t0 = time.monotonic()
+    while p.engine.scheduler.transfers.leased and time.monotonic() - t0 < timeout:
+        p.engine.step()
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("n", [1, 2, B, B + 1, 3 * B + 1])
+@pytest.mark.parametrize("kind", ["greedy", "seeded-topk-logprobs", "penalties"])
+def test_awaited_hand_off_equals_collocated(pd, col, n, kind):
+    p, d = pd
+    prompt, sp = prompt_of(col, n), SamplingParams(max_tokens=10, **SAMPLING[kind])
+    want, _ = run_col(col, prompt, sp)
+    params = await_params(p)
+    before = d.engine.graph_stats()
+    start_d(d, prompt, sp, params)
+    assert d.engine.scheduler.transfers.loading  # blocks held while it awaits
+    p_out = run_p(p, prompt, sp, params["await_kv"]["key"])
+    assert p_out.kv_transfer_params["first_token"]["id"] == want.outputs[0].token_ids[0]
+    got = drain(d)["d"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].text == want.outputs[0].text
+    assert lp_view(got) == lp_view(want)
+    assert got.num_external_tokens + got.num_cached_tokens == n  # all n imported: no prefill, no replay on D
+    after = d.engine.graph_stats()
+    assert after["non_full_by_reason"].get("prefill", 0) == before["non_full_by_reason"].get("prefill", 0), after
+    finish_p(p)
+    assert_whole(p, d)
+
+
+def test_a_prompt_over_one_read_comes_in_several_frames(pd, col, monkeypatch):
+    """More blocks than one read answer carries: the await's blocks follow in several frames."""
+    p, d = pd
+    monkeypatch.setattr(tcp_consumer, "BLOCKS_PER_READ", 2)
+    monkeypatch.setattr("pdserve.transfer.tcp.producer.BLOCKS_PER_READ", 2)
+    prompt, sp = prompt_of(col, 5 * B + 3), SamplingParams(temperature=0, max_tokens=4)
+    want, _ = run_col(col, prompt, sp)
+    params = await_params(p)
+    start_d(d, prompt, sp, params)
+    run_p(p, prompt, sp, params["await_kv"]["key"])
+    got = drain(d)["d"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_external_tokens + got.num_cached_tokens == 5 * B + 3
+    finish_p(p)
+    assert_whole(p, d)
+
+
+@pytest.mark.parametrize("how", ["p-aborted", "first-token-ends-it"])
+def test_nothing_handed_over_ends_ds_request(pd, col, how):
+    """P's request ends without handing anything over (aborted; its first token ended it, which the router then
+    answers from P): D's request ends too, with a 409 for its server, and no token; pools whole."""
+    p, d = pd
+    prompt = prompt_of(col, 2 * B + 1)
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=1 if how == "first-token-ends-it" else 6)
+    params = await_params(p)
+    start_d(d, prompt, sp, params)
+    run_p(p, prompt, sp, params["await_kv"]["key"], abort=how == "p-aborted")
+    got = drain(d)["d"]
+    assert got.outputs[0].finish_reason == "error" and got.error_status == 409, got
+    assert got.outputs[0].token_ids == [] and "handed nothing over" in got.error
+    assert ("first token ended" in got.error) == (how == "first-token-ends-it"), got.error
+    finish_p(p)
+    assert_whole(p, d)
+
+
+@pytest.mark.parametrize("how", ["params-for-another-prompt", "no-first-token"])
+def test_params_d_cannot_take_whole(pd, col, how):
+    """P's params are for another prompt (a different tokenization): they do not check, the KV read is dropped
+    unpublished and D prefills the prompt itself. P drew no first token (not asked): D replays the last prompt token
+    on the KV it got. Either way the output equals collocated."""
+    p, d = pd
+    prompt = prompt_of(col, 2 * B + 1)
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=6)
+    want, _ = run_col(col, prompt, sp)
+    params = await_params(p)
+    start_d(d, prompt, sp, params)
+    key = params["await_kv"]["key"]
+    if how == "params-for-another-prompt":
+        run_p(p, prompt[1:] + prompt[:1], sp, key)
+    else:
+        run_p(p, prompt, sp, key, ask=False)
+    got = drain(d)["d"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].text == want.outputs[0].text
+    if how == "no-first-token":
+        assert got.num_external_tokens + got.num_cached_tokens == len(prompt) - 1  # imported n - 1, replayed 1
+    else:
+        assert got.num_external_tokens == 0
+    finish_p(p)
+    assert_whole(p, d)
+
+
+def test_d_ending_while_it_awaits_frees_its_blocks(pd, col):
+    """An abort while the await waits: the blocks come back within a slice, P's post later goes to no one and its
+    lease ends by the router's release."""
+    p, d = pd
+    prompt, sp = prompt_of(col, B + 5), SamplingParams(temperature=0, max_tokens=4)
+    params = await_params(p)
+    start_d(d, prompt, sp, params, rid="d-gone")
+    final = d.engine.abort_request("d-gone")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert d.engine.scheduler.transfers.deferred_free  # the blocks wait for the await to stop
+    t0 = time.monotonic()
+    drain(d, deadline=3 * handoffs.SLICE + 2)
+    assert time.monotonic() - t0 < 2 * handoffs.SLICE + 1
+    assert_whole(d)
+    out = run_p(p, prompt, sp, params["await_kv"]["key"])
+    assert p.engine.gateway.release_lease(out.kv_transfer_params) == "released"
+    finish_p(p)
+    assert_whole(p, d)
+
+
+@pytest.mark.parametrize("how", ["timeout", "no-producer"])
+def test_an_await_that_fails_is_recomputed(pd, col, monkeypatch, how):
+    """The await runs out (P never posts) or P's KV server is not there: the failure policy (recompute) prefills
+    the prompt on D."""
+    p, d = pd
+    prompt, sp = prompt_of(col, 2 * B), SamplingParams(temperature=0, max_tokens=5)
+    want, _ = run_col(col, prompt, sp)
+    params = await_params(p)
+    if how == "timeout":
+        monkeypatch.setattr(tcp_consumer, "WAIT_SECONDS", 0.3)
+    else:
+        params["await_kv"]["port"] = free_port()
+    d.engine.add_request(prompt, sp, request_id="d-fail", kv_transfer_params=params)
+    got = drain(d, deadline=10)["d-fail"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and got.num_external_tokens == 0
+    assert_whole(p, d)
+
+
+@pytest.mark.parametrize("bad", [
+    {"host": "127.0.0.1", "port": 1, "key": "x" * 32},
+    {"host": "127.0.0.1", "port": "1", "key": "a" * 32},
+    {"host": "127.0.0.1", "port": 1},
+    {"host": "127.0.0.1", "port": 1, "key": "a" * 32, "more": 1},
+])
+def test_malformed_await_params_are_refused(pd, bad):
+    _, d = pd
+    with pytest.raises(ValueError, match="await_kv"):
+        d.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="bad",
+                             kv_transfer_params={"await_kv": bad})
+    with pytest.raises(ValueError, match="await_kv"):
+        d.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="bad",
+                             kv_transfer_params={"await_kv": {"host": "127.0.0.1", "port": 1, "key": "a" * 32},
+                                                 "do_remote_prefill": True})
+
+
+def test_a_node_without_a_tcp_consumer_refuses_await(col):
+    with pytest.raises(ValueError, match="no KV connector|cannot await"):
+        col.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="bad",
+                               kv_transfer_params={"await_kv": {"host": "127.0.0.1", "port": 1, "key": "a" * 32}})
+
+
+def test_a_step_does_not_wait_out_an_await(pd, col, qwen3_tiny):
+    """D's step waits up to kv_load_wait_ms for the loads it just started (a short pull runs in this step), but never
+    for an await, which lasts P's queue and prefill: with a 1 s wait, D's steps still go on while P has not posted."""
+    p, _ = pd
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0, kv_load_wait_ms=1000),
+            **ENGINE)
+    try:
+        prompt, sp = prompt_of(col, B + 2), SamplingParams(temperature=0, max_tokens=3)
+        want, _ = run_col(col, prompt, sp)
+        params = await_params(p)
+        t0 = time.monotonic()
+        start_d(d, prompt, sp, params, steps=2)
+        assert time.monotonic() - t0 < 0.7
+        run_p(p, prompt, sp, params["await_kv"]["key"])
+        assert drain(d)["d"].outputs[0].token_ids == want.outputs[0].token_ids
+        finish_p(p)
+        assert_whole(p, d)
+    finally:
+        d.engine.shutdown()

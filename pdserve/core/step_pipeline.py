@@ -146,7 +146,9 @@ class EngineStep:
 
     def _idle(self, transfer_outputs: list[RequestOutput]) -> list[RequestOutput]:
         if self.engine.has_unfinished_requests() and not transfer_outputs:
-            time.sleep(0.001)  # only transfers in flight: poll, do not spin
+            # only transfers in flight: poll, do not spin; woken early when one ends (an await, at idle)
+            connector = self.engine.connector
+            connector.wait_for_transfers(0.001) if connector is not None else time.sleep(0.001)
         return transfer_outputs
 
     def _started(self, out: SchedulerOutput) -> None:

@@ -12,6 +12,7 @@ Connectors are registered by module path and imported when first made (factory.p
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
@@ -153,6 +154,10 @@ class KVConnector(ABC):
     def has_pending(self) -> bool:
         """Loads in flight or leases open: the engine keeps polling while this is true."""
         return False
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """An idle engine's wait between polls: up to `timeout` seconds, or less once a transfer ended."""
+        time.sleep(timeout)
 
     def shutdown(self) -> None:
         pass

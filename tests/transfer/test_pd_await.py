@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.transfer.base import FinishedTransfers
 from pdserve.transfer.channel import handoffs
 from pdserve.transfer.tcp import consumer as tcp_consumer
 from tests.server_harness import free_port
@@ -236,3 +237,19 @@ def test_a_step_does_not_wait_out_an_await(pd, col, qwen3_tiny):
         assert_whole(p, d)
     finally:
         d.engine.shutdown()
+
+
+def test_an_idle_engine_is_woken_when_a_transfer_ends(pd):
+    """D with only transfers in flight waits between polls (1 ms in the engine), but a transfer that ends wakes it."""
+    p, d = pd
+    consumer = d.engine.connector.consumer
+    consumer.take_finished(FinishedTransfers())  # nothing is in flight here: this only clears the wake
+    t0 = time.monotonic()
+    consumer.wait_for_transfers(0.2)
+    assert time.monotonic() - t0 >= 0.2  # no transfer ended: the wait runs out
+    params = {"do_remote_prefill": True, "transfer_id": "none", "remote_host": "127.0.0.1",
+              "remote_port": p.engine.connector.port}
+    t0 = time.monotonic()
+    assert consumer.release_remote(params, "wake")  # a bare `done` on a worker: it ends within milliseconds
+    consumer.wait_for_transfers(5.0)
+    assert time.monotonic() - t0 < 2.0

@@ -9,6 +9,7 @@ delegation to the roles is roles.py's, shared with NixlConnector.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from pdserve.transfer.base import ConnectorContext, FinishedTransfers
@@ -81,6 +82,12 @@ class TcpConnector(RoleConnector):
     def cancel_load(self, request_id: str) -> None:
         if self.consumer is not None:
             self.consumer.cancel(request_id)
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        if self.consumer is not None:
+            self.consumer.wait_for_transfers(timeout)
+        else:
+            time.sleep(timeout)
 
     # ---- both ----------------------------------------------------------------------------------------------
     def get_finished(self) -> FinishedTransfers:

@@ -81,6 +81,7 @@ class TcpConsumer:
         self._params: dict[str, tuple[dict, float]] = {}  # awaited loads' params, and when they came
         self._refused: dict[str, str] = {}  # awaits P answered with nothing to hand over
         self._cancelled: set[str] = set()  # awaits whose request ended: they stop at their next slice
+        self._ended = threading.Event()  # a load ended since the engine last took them (wakes an idle engine)
         self._loaders = PeerWorkers(4, "kv-load")  # a hung P holds only its own requests' workers
         self._awaiters = PeerWorkers(AWAITS_PER_PEER, "kv-await")
         self.keeper = LeaseKeeper(config.kv_lease_seconds, self.check_remote,
@@ -227,6 +228,7 @@ class TcpConsumer:
             with self._lock:
                 self._inflight.discard(rid)
                 self._cancelled.discard(rid)
+            self._ended.set()
 
     def _await_once(self, session, job: LoadJob, wait: float):
         """One `await`: PENDING, or (P's params, when they came) with the KV received into the job's blocks."""
@@ -295,6 +297,7 @@ class TcpConsumer:
                 self.stats.seconds_receiving += 0.0 if bare else time.monotonic() - t0
             with self._lock:
                 self._inflight.discard(job.request_id)
+            self._ended.set()
 
     def _transfer(self, session, job: LoadJob) -> None:
         """Every read goes out first, so P sends the next batch while this side receives the previous one; the last
@@ -341,12 +344,16 @@ class TcpConsumer:
 
     def take_finished(self, out: FinishedTransfers) -> None:
         """Engine thread: the loads that ended since the last call, into `out`."""
+        self._ended.clear()  # before taking: a load that ends after this sets it again
         with self._lock:
             out.done_recving, self._done = self._done, set()
             out.failed, self._failed = self._failed, {}
             out.gone, self._gone = self._gone, set()
             out.params, self._params = self._params, {}
             out.refused, self._refused = self._refused, {}
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        self._ended.wait(timeout)
 
     def has_pending(self) -> bool:
         with self._lock:

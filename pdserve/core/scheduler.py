@@ -34,6 +34,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.sched_output import NO_DRAFTS, ScheduledRow, SchedulerOutput, cdiv
 from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.ngram_proposer import NgramProposer
+from pdserve.transfer.channel.handoffs import AWAIT_KV
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
@@ -97,8 +98,7 @@ class Scheduler:
         started = False
         seats = self.config.max_num_seqs
         bs = self.kv.block_size
-        k = self.spec.num_lookahead_slots if self.spec is not None else 0
-        reserve = len(self.running) * (1 + cdiv(1 + k, bs))  # each row's next tokens, a block boundary apart
+        reserve = self._reserve()
         while self.waiting and not self.transfers.ready and len(self.running) < seats:
             req = self.waiting[0]
             lookahead = self.num_lookahead(req)
@@ -112,6 +112,20 @@ class Scheduler:
             self._count_lookup(req, num_hit, req.num_importable_tokens - num_hit)
             started = True
         return started
+
+    def _reserve(self) -> int:
+        """Free blocks the running rows' next tokens may need (each a block boundary apart)."""
+        k = self.spec.num_lookahead_slots if self.spec is not None else 0
+        return len(self.running) * (1 + cdiv(1 + k, self.kv.block_size))
+
+    def _await_waits(self, req: Request) -> bool:
+        """An await (channel/handoffs.py) holds its blocks for P's queue and prefill, not a pull's milliseconds: it
+        allocates only while the free blocks still cover every running row's next slots beside it, so it is never
+        the cause of a preemption; until then it waits at the queue's head, its await not yet asked."""
+        if req.kv_load_tried or AWAIT_KV not in (req.kv_transfer_params or {}):
+            return False
+        need = cdiv(req.num_tokens + 1 + self.num_lookahead(req), self.kv.block_size)
+        return self.kv.num_free_blocks() < self._reserve() + need
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -163,6 +177,8 @@ class Scheduler:
         # however many wait behind it.
         while self.waiting and budget > 0 and len(self.running) < seats:
             req = self.waiting[0]
+            if self._await_waits(req):
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             load = self.transfers.start_load(req, hits, num_hit, self.num_lookahead(req))
             if load == "loading":

@@ -253,3 +253,31 @@ def test_an_idle_engine_is_woken_when_a_transfer_ends(pd):
     assert consumer.release_remote(params, "wake")  # a bare `done` on a worker: it ends within milliseconds
     consumer.wait_for_transfers(5.0)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_an_await_never_makes_a_running_request_preempt(pd, col, qwen3_tiny):
+    """D's pool (5 usable blocks): a request running here (2 blocks, its next token needs a third) and an await that
+    would take the other 3. The await holds its blocks for P's whole prefill, so it waits for the free blocks to
+    cover the running row's next slots too: no preemption, and both equal collocated."""
+    p, _ = pd
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0), num_gpu_blocks_override=6,
+            **{**ENGINE, "max_model_len": 4 * B})
+    try:
+        local, remote = prompt_of(col, 2 * B - 1), prompt_of(col, 2 * B + 1)[::-1]
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        wants = [run_col(col, pr, sp)[0].outputs[0].token_ids for pr in (local, remote)]
+        d.engine.add_request(local, sp, request_id="local")
+        d.engine.step()  # its prefill: 2 blocks, the next token's block still to come
+        params = await_params(p)
+        d.engine.add_request(remote, sp, request_id="await", kv_transfer_params=params)
+        for _ in range(3):
+            d.engine.step()
+            assert not d.engine.scheduler.transfers.loading  # waits: the running row's next block comes first
+        run_p(p, remote, sp, params["await_kv"]["key"])
+        got = drain(d)
+        assert [got[r].outputs[0].token_ids for r in ("local", "await")] == wants
+        assert got["local"].num_preemptions == 0 and got["await"].num_external_tokens > 0
+        finish_p(p)
+        assert_whole(p, d)
+    finally:
+        d.engine.shutdown()

@@ -103,7 +103,8 @@ class Scheduler:
             req = self.waiting[0]
             lookahead = self.num_lookahead(req)
             if not (req.kv_transfer_params or {}).get("do_remote_prefill") or req.kv_load_tried or \
-                    self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + lookahead, bs):
+                    self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + lookahead, bs) or \
+                    self._await_waits(req):
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             if self.transfers.start_load(req, hits, num_hit, lookahead) != "loading":
@@ -120,12 +121,16 @@ class Scheduler:
 
     def _await_waits(self, req: Request) -> bool:
         """An await (channel/handoffs.py) holds its blocks for P's queue and prefill, not a pull's milliseconds: it
-        allocates only while the free blocks still cover every running row's next slots beside it, so it is never
-        the cause of a preemption; until then it waits at the queue's head, its await not yet asked."""
+        takes a seat's worth (awaits and running rows together stay within max_num_seqs, so a P that queues cannot
+        make D hold more requests' blocks than it runs) and allocates only while the free blocks still cover every
+        running row's next slots beside it, so it is never the cause of a preemption; until then it waits at the
+        queue's head, its await not yet asked."""
         if req.kv_load_tried or AWAIT_KV not in (req.kv_transfer_params or {}):
             return False
+        awaiting = sum(AWAIT_KV in (r.kv_transfer_params or {}) for r in self.transfers.loading.values())
         need = cdiv(req.num_tokens + 1 + self.num_lookahead(req), self.kv.block_size)
-        return self.kv.num_free_blocks() < self._reserve() + need
+        return len(self.running) + awaiting >= self.config.max_num_seqs or \
+            self.kv.num_free_blocks() < self._reserve() + need
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

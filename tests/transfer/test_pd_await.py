@@ -281,3 +281,30 @@ def test_an_await_never_makes_a_running_request_preempt(pd, col, qwen3_tiny):
         assert_whole(p, d)
     finally:
         d.engine.shutdown()
+
+
+def test_awaits_and_running_rows_share_max_num_seqs(pd, col, qwen3_tiny):
+    """A P that queues must not make D hold more requests' blocks than it runs: with max_num_seqs 2, a third await
+    waits (its await not asked) until one of the first two ends, then all three equal collocated."""
+    p, _ = pd
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0), max_num_seqs=2, **ENGINE)
+    try:
+        prompts = [prompt_of(col, B + 1 + i) for i in range(3)]
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        wants = [run_col(col, pr, sp)[0].outputs[0].token_ids for pr in prompts]
+        params = [await_params(p) for _ in prompts]
+        for i, (pr, par) in enumerate(zip(prompts, params)):
+            d.engine.add_request(pr, sp, request_id=f"a{i}", kv_transfer_params=par)
+        for _ in range(3):
+            d.engine.step()
+        assert sorted(d.engine.scheduler.transfers.loading) == ["a0", "a1"]  # the third waits for a seat
+        for pr, par in zip(prompts, params):
+            run_p(p, pr, sp, par["await_kv"]["key"])
+        got = drain(d)
+        assert [got[f"a{i}"].outputs[0].token_ids for i in range(3)] == wants
+        assert all(got[f"a{i}"].num_external_tokens + got[f"a{i}"].num_cached_tokens == len(prompts[i])
+                   for i in range(3))
+        finish_p(p)
+        assert_whole(p, d)
+    finally:
+        d.engine.shutdown()

@@ -1,6 +1,7 @@
 """A/B of D's hand-off on `bench pd`'s demo workload (tiny model, 128 in / 32 out, Poisson arrivals, vLLM's client)
-with the collocated, default (replay) and first-token arms (or `--first-token-arm first-token-early`, the router's
-early decode): D's wait for early loads (`kv_load_wait_ms`, docs/pd.md "When D runs an imported request"), D's
+with the collocated, default (replay) and first-token arms (`--first-token-arm`: bench pd's first-token, the router's
+default, early decode; first-token-early, the same with the flag given; first-token-late, D asked after P
+answered): D's wait for early loads (`kv_load_wait_ms`, docs/pd.md "When D runs an imported request"), D's
 direct hand-off under early decode (`--direct-handoff on,off`: `kv_connector_extra_config.direct_handoff`, docs/pd.md
 "Early decode") and/or source trees (`--revs`: git revisions, each run from a worktree of its own with this venv;
 "." is this working tree), every setting once a round, alternating, for --rounds rounds.
@@ -12,7 +13,7 @@ gaps.
     .venv/bin/python benchmarks/kv_load_wait.py                 # 2 rounds, ~6 min on 2 cores
     .venv/bin/python benchmarks/kv_load_wait.py --rounds 3 --waits 0,2,4
     .venv/bin/python benchmarks/kv_load_wait.py --revs aa8513c,. --waits 2
-    .venv/bin/python benchmarks/kv_load_wait.py --waits 2 --first-token-arm first-token-early --direct-handoff on,off
+    .venv/bin/python benchmarks/kv_load_wait.py --waits 2 --direct-handoff on,off
 
 Writes benchmarks/results/kv_load_wait.json (and each run's bench pd results under --work-dir).
 """
@@ -79,10 +80,10 @@ def main() -> int:
     ap.add_argument("--waits", default="0,2", help="D's kv_load_wait_ms values to alternate (default: 0,2).")
     ap.add_argument("--revs", default=".", help="Git revisions to alternate, '.' for this working tree (default: .).")
     ap.add_argument("--direct-handoff", default="on", help="D's direct hand-off under early decode, on and/or off, "
-                    "to alternate (default: on; it matters only with --first-token-arm first-token-early).")
-    ap.add_argument("--first-token-arm", choices=("first-token", "first-token-early"), default="first-token",
-                    help="bench pd's first-token arm: without or with the router's early decode (default: "
-                         "first-token).")
+                    "to alternate (default: on; it matters only where D is asked early: not with first-token-late).")
+    ap.add_argument("--first-token-arm", choices=("first-token", "first-token-early", "first-token-late"),
+                    default="first-token", help="bench pd's first-token arm: the router's default (early decode), "
+                    "the flag given, or --no-pd-early-decode (default: first-token).")
     ap.add_argument("--rounds", type=int, default=2, help="Rounds; each runs every wait once (default: 2).")
     ap.add_argument("--rates", default="2,8", help="Request rates (default: 2,8).")
     ap.add_argument("--num-prompts", type=int, default=24, help="Requests per rate and arm (default: 24).")

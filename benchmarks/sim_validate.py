@@ -40,7 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 BOUNDS = {"median_ttft_ms": 0.20, "median_tpot_ms": 0.10, "p99_itl_ms": 0.25}  # relative; non-FULL share: 1 pp
 SIM_DEPLOYMENT = {"collocated": ["--deployment", "collocated"], "default": ["--deployment", "1p1d"],
                   "strict": ["--deployment", "1p1d", "--full-graph-rule", "strict"],
-                  "first-token": ["--deployment", "1p1d", "--pd-first-token", "prefill"]}
+                  # the simulator's first-token deployment asks D after P answered: the router's --no-pd-early-decode
+                  "first-token-late": ["--deployment", "1p1d", "--pd-first-token", "prefill"]}
+SIM_ARM = {"first-token-late": "first-token"}  # bench pd's arm -> the name the simulator gives its results
 
 
 def pdserve(*args: str, env: dict | None = None) -> None:
@@ -74,8 +76,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny", help="Comma-separated qwen3 sizes made by `pdserve make-model` "
                                                      "(default: tiny, the demo model).")
-    ap.add_argument("--arms", default="collocated,default,strict", help="bench pd arms (default: collocated,"
-                                                                         "default,strict).")
+    ap.add_argument("--arms", default="collocated,default,strict",
+                    help=f"bench pd arms, of {', '.join(SIM_DEPLOYMENT)} (default: collocated,default,strict).")
     ap.add_argument("--rates", default="2,8", help="Request rates (default: 2,8).")
     ap.add_argument("--num-prompts", type=int, default=48, help="Requests per rate and arm (default: 48).")
     ap.add_argument("--random-input-len", type=int, default=128)
@@ -113,6 +115,8 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-validate-"))
     work.mkdir(parents=True, exist_ok=True)
     arms, rates = args.arms.split(","), [float(r) for r in args.rates.split(",")]
+    if unknown := [a for a in arms if a not in SIM_DEPLOYMENT]:
+        ap.error(f"--arms: {', '.join(unknown)} not simulated; choose from {', '.join(SIM_DEPLOYMENT)}")
     cpus = os.cpu_count() or 1
     workload = ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.random_input_len),
                 "--random-output-len", str(args.random_output_len), "--seed", str(args.seed)]
@@ -155,7 +159,7 @@ def main() -> int:
                         "--result-dir", str(sim))
                 for rate in rates:
                     rounds = [per_rate(real, arm, rate) for real in paired[i]]
-                    r, s = median_of(rounds), per_rate(sim, arm, rate)  # the sim names arms as bench pd
+                    r, s = median_of(rounds), per_rate(sim, SIM_ARM.get(arm, arm), rate)
                     row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s, "real_rounds": rounds,
                            "round": i if args.interleave else None}
                     for k, bound in BOUNDS.items():

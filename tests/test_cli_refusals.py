@@ -214,7 +214,8 @@ def test_bench_save_result_under_a_file_is_refused_up_front(qwen3_tiny, tmp_path
     (["--kv-transfer-extra", '{"kv_load_wait_ms": -1}'], "--kv-transfer-extra: kv_transfer_config.kv_load_wait_ms"),
     (["--kv-transfer-extra", '{"kv_nope": 1}'], "--kv-transfer-extra: kv_transfer_config: unknown field"),
     (["--arms", "default,first-token-early", "--router", "vllm-router"], "first-token-early needs --router pdserve"),
-    (["--arms", "first-token-late"], "unknown arm 'first-token-late'"),
+    (["--arms", "first-token-late", "--router", "vllm-router"], "first-token-late needs --router pdserve"),
+    (["--arms", "first-token-later"], "unknown arm 'first-token-later'"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_bench_pd_refuses_before_any_arm_starts(qwen3_tiny, capsys, flags, why):
     err = refused(["bench", "pd", "--model", str(qwen3_tiny), *flags], capsys)

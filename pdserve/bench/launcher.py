@@ -26,7 +26,7 @@ from pdserve.bench.http_get import get_json, http_get
 
 _POOL = re.compile(r"collocated-x(\d+)")
 # 1P1D arms whose first token comes from P; -early adds the router's --pd-early-decode (pdserve's router only)
-FIRST_TOKEN_ARMS = ("first-token", "first-token-early")
+FIRST_TOKEN_ARMS = ("first-token", "first-token-early", "first-token-late")
 
 
 def collocated_nodes(arm: str) -> int:
@@ -185,7 +185,8 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
            speculative_config: Optional[str] = None, kv_extra: Optional[dict] = None) -> None:
     """Spawns `dep.arm`: `collocated`, `collocated-xN` (N servers behind pdserve's router), or 1P1D named by D's
     full-graph rule (`strict`, `default`, `prompt-tail`) or `first-token` (the default rule, the first token from P;
-    `first-token-early` with the router's early decode)
+    with pdserve's router D asked as P is, its early decode default; `first-token-early` the same with the flag given,
+    `first-token-late` with `--no-pd-early-decode`)
     behind `router` (pdserve, or vllm-router), with `speculative_config` (JSON) on the node that decodes and
     `kv_extra` merged into both nodes' KV configs.
     Children are added to `dep` as they start, so a teardown mid-launch still finds them."""
@@ -215,8 +216,9 @@ def launch(dep: Deployment, model: str, server_args: list[str], token: str, rout
     rule = [] if arm in ("default", *FIRST_TOKEN_ARMS) else ["--full-graph-rule", arm]
     # first-token: P hands D its first token even to a router that does not ask (vllm-router); ours asks
     first = ["--pd-first-token", "prefill"] if arm in FIRST_TOKEN_ARMS else []
-    # first-token-early: the router also sends D the request as it sends P, and D asks P for the hand-off itself
-    early = ["--pd-early-decode"] if arm == "first-token-early" else []
+    # first-token-early: the router also sends D the request as it sends P, and D takes P's hand-off itself (the
+    # router's default, so the same deployment as first-token there); first-token-late: D asked after P answered
+    early = {"first-token-early": ["--pd-early-decode"], "first-token-late": ["--no-pd-early-decode"]}.get(arm, [])
     p = dep.spawn("prefill", [*serve, *first, "--kv-transfer-config", json.dumps(producer)], free_port(), env)
     d = dep.spawn("decode", [*serve, *rule, *spec, "--kv-transfer-config", json.dumps(consumer)], free_port(),
                   env)

@@ -40,8 +40,10 @@ def add_bench_pd_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated arms: collocated, or a 1P1D deployment named by its decode node's "
                         f"--full-graph-rule ({', '.join(RULES)}), or 'default' for 1P1D without the flag (D replays "
                         "the last prompt token), or 'first-token' for 1P1D with the first token from P "
-                        "(--pd-first-token prefill on P and the router; default rule on D), or 'first-token-early', "
-                        "the same with the router's --pd-early-decode (D gets the request as P does), or "
+                        "(--pd-first-token prefill on P and the router; default rule on D; with pdserve's router "
+                        "D gets the request as P does, its --pd-early-decode default), or 'first-token-early' (the "
+                        "same, the flag given), or 'first-token-late' (--no-pd-early-decode: D asked after P "
+                        "answered), or "
                         "'collocated-xN' for N "
                         "collocated servers behind pdserve's router (a pool without prefill nodes; each server gets "
                         "1/N of the cores, as P and D get half each) "
@@ -94,8 +96,9 @@ def _parse(args) -> tuple[list[str], list[float]]:
         raise ValueError(f"--seed must be in [0, 2**32 - 1000 x {len(rates)} rates)")
     if not 0 < args.ready_timeout < math.inf:  # NaN fails both comparisons
         raise ValueError("--ready-timeout must be a number of seconds > 0")
-    if args.router == "vllm-router" and "first-token-early" in arms:  # vllm-router has no early decode
-        raise ValueError("--arms first-token-early needs --router pdserve (early decode is pdserve's router's)")
+    for arm in ("first-token-early", "first-token-late"):
+        if args.router == "vllm-router" and arm in arms:  # vllm-router has no early decode
+            raise ValueError(f"--arms {arm} needs --router pdserve (early decode is pdserve's router's)")
     if args.router == "vllm-router" and vllm_router_program() is None:
         raise ValueError("--router vllm-router: the vllm-router executable is not installed "
                          "(pip install vllm-router==0.1.17)")

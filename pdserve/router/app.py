@@ -38,8 +38,8 @@ With `--pd-first-token prefill` (docs/pd.md) step 2 sends P the client's own par
 P answer without params is then the whole answer (its token ended the request: D is not asked); otherwise a
 streamed request gets P's token at once and D's stream after it, spliced (router/first_token.py), and a D that
 fails before a token of its own is replaced by another with the same params (router/migration.py); a streamed
-request's D is asked at step 2 already, to take P's params from P itself, with `--pd-early-decode`
-(router/early_decode.py).
+request's D is asked at step 2 already, to take P's params from P itself (`--pd-early-decode`, on by default;
+router/early_decode.py).
 A background task polls every node's /health: a node that fails is taken out of rotation and put back when it
 answers again. With it, each P's probe (`GET /v1/kv/probe`, signed with P's KV token) goes to each D (`POST
 /v1/kv/probe`): a pair whose probe does not verify is out of rotation, with a log line, until it does.
@@ -110,7 +110,7 @@ class Router(Fleet):
 
     def __init__(self, prefill: list[str], decode: list[str], policy: str, health_interval: float = 1.0,
                  timeout: float = 600.0, pd_first_token: str = "replay", max_migrations: int = MAX_MIGRATIONS,
-                 prefill_fallback: bool = True, early_decode: bool = False):
+                 prefill_fallback: bool = True, early_decode: bool = True):
         super().__init__(prefill, decode, policy, health_interval, timeout, prefill_fallback)
         self.pd_first_token = pd_first_token  # "prefill": P samples the first token, streamed to the client at once
         self.early_decode = early_decode  # with "prefill": a stream's D is asked when its P is (early_decode.py)

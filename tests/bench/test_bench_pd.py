@@ -38,7 +38,7 @@ def start_bench(tmp_path, marker, *args):
 def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     marker = uuid.uuid4().hex
     proc = start_bench(tmp_path, marker, "--model", qwen3_tiny, "--arms",
-                       "collocated,strict,default,first-token,first-token-early,collocated-x2", "--rates", "4,16",
+                       "collocated,strict,default,first-token,first-token-late,collocated-x2", "--rates", "4,16",
                        "--num-prompts", "6",
                        "--random-input-len", "48", "--random-output-len", "12", "--server-args",
                        "--max-model-len 256 --kv-cache-memory-gb 0.05")
@@ -47,13 +47,13 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     assert not marked_pids(marker), "bench pd left processes behind"
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
     assert {(r["arm"], r["rate"]) for r in rows} == {(a, q) for a in ("collocated", "strict", "default", "first-token",
-                                                                      "first-token-early", "collocated-x2")
+                                                                      "first-token-late", "collocated-x2")
                                                        for q in (4.0, 16.0)}
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in rows)
     for r in rows:
         if r["arm"] == "strict":
             assert r["non_full_reasons"].get("prefill", 0) > 0, r
-        if r["arm"] in ("default", "first-token", "first-token-early"):
+        if r["arm"] in ("default", "first-token", "first-token-late"):
             assert r["non_full_steps"] == 0 and r["full_steps"] > 0, r
         if r["arm"] in ("strict", "default"):  # the router's TTFT split came along
             assert {"prefill", "kv_transfer", "decode_queue", "total"} <= set(r["router_ttft_split_ms"]), r
@@ -64,15 +64,15 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
         assert all(r["decode_phases_ms"].get(k, 0) > 0 for k in ("queue", "prefill")), r
         assert r["first_gap_median_ms"] > 0 and r["other_gaps_median_ms"] > 0, r
     assert "first own step" in out
-    # early decode: D asked P for each streamed request's hand-off (2 warm-up + 2 x 6), and only in that arm: over
-    # HTTP until it knew P's KV endpoint (the warm-up), then its engine on P's KV channel
+    # early decode, the router's default: D asked P for each streamed request's hand-off (2 warm-up + 2 x 6), over
+    # HTTP until it knew P's KV endpoint (the warm-up), then its engine on P's KV channel; not with
+    # --no-pd-early-decode (first-token-late)
     logs = {f"{arm}-{node}": (tmp_path / "logs" / f"{arm}-{node}.log").read_text()
-            for arm in ("first-token", "first-token-early") for node in ("prefill", "decode")}
-    http = {arm: logs[f"{arm}-prefill"].count("GET /v1/kv/handoff/") for arm in ("first-token", "first-token-early")}
+            for arm in ("first-token", "first-token-late") for node in ("prefill", "decode")}
+    http = {arm: logs[f"{arm}-prefill"].count("GET /v1/kv/handoff/") for arm in ("first-token", "first-token-late")}
     direct = {arm: logs[f"{arm}-decode"].count("awaited on its KV channel") for arm in http}
-    assert http["first-token"] == direct["first-token"] == 0, (http, direct)
-    assert http["first-token-early"] + direct["first-token-early"] == 14 and direct["first-token-early"] >= 12, \
-        (http, direct)
+    assert http["first-token-late"] == direct["first-token-late"] == 0, (http, direct)
+    assert http["first-token"] + direct["first-token"] == 14 and direct["first-token"] >= 12, (http, direct)
     # collocated-x2: two collocated servers behind the router (no prefill nodes), taking the requests in turn
     # (2 warm-up + 2 x 6: 7 each), both scraped for the graph counters
     for i in (0, 1):
@@ -83,7 +83,7 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
     table = (tmp_path / "table.txt").read_text()
     assert table in out and "device=cpu" in table
     data_lines = [line for line in table.splitlines() if line.startswith("48/12")]
-    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token", "1P1D first-token-early",
+    for label in ("collocated", "1P1D strict", "1P1D default", "1P1D first-token", "1P1D first-token-late",
                   "collocated-x2"):
         assert sum(f" {label} " in line for line in data_lines) == 2, table
     assert (tmp_path / "bench_pd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -167,9 +167,12 @@ def test_a_p_tried_again_elsewhere_gets_a_new_key_and_d():
     assert fleet.streams[0].closed  # the D opened for the first P was dropped
 
 
-def test_off_by_default_asks_d_after_p():
+def test_on_by_default_and_off_asks_d_after_p():
+    from tests.router.test_router_collocated import parse
+    assert parse(["--prefill", P, "--decode", D1, "--pd-first-token", "prefill"]).pd_early_decode
+    assert not parse(["--prefill", P, "--decode", D1, "--no-pd-early-decode"]).pd_early_decode
     fleet = Fleet({P: lambda b: p_answer("Hel")}, {D1: lambda b: REST})
-    router = Router([P], [D1], "round-robin", health_interval=3600, pd_first_token="prefill")
+    router = Router([P], [D1], "round-robin", health_interval=3600, pd_first_token="prefill", early_decode=False)
     router.client = MockUpstream(fleet)
     with TestClient(build_app(router)) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})

@@ -99,8 +99,10 @@ def dep(qwen3_tiny):
         tok = d_state.serving.info.tokenizer = CountingTokenizer(d_state.serving.info.tokenizer)
         routers = {}
         for mode in ("replay", "prefill"):
+            # D asked after P answered: with early decode (the router's default) D has no ids of P's yet, and
+            # tokenizes while P prefills
             router = Router(["http://p.test"], ["http://d.test"], "round-robin", health_interval=3600,
-                            pd_first_token=mode)
+                            pd_first_token=mode, early_decode=False)
             router.client = MockUpstream(ToApps({"p.test": P, "d.test": D}))
             routers[mode] = stack.enter_context(TestClient(build_router(router)))
         yield {"P": P, "D": D, "C": C, "tok": tok, "d_info": d_state.serving.info, **routers}

@@ -18,7 +18,7 @@ from pdserve.transfer.channel import handoffs
 from pdserve.transfer.tcp import consumer as tcp_consumer
 from tests.server_harness import free_port
 from tests.transfer.test_pd_engine import assert_whole, drain
-from tests.transfer.test_pd_first_token import ENGINE, SAMPLING, B, _ids, _kv, lp_view, prompt_of, run_col
+from tests.transfer.test_pd_first_token import ENGINE, SAMPLING, B, _ids, _kv, lp_view, p_and_d, prompt_of, run_col
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -30,13 +30,8 @@ def col(qwen3_tiny):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def pd(qwen3_tiny, request):
-    p = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), async_scheduling=request.param,
-            **ENGINE)
-    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0),
-            async_scheduling=request.param, **ENGINE)
-    yield p, d
-    p.engine.shutdown()
-    d.engine.shutdown()
+    with p_and_d(qwen3_tiny, request.param) as pair:
+        yield pair
 
 
 def await_params(p, key=None) -> dict:

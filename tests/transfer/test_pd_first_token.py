@@ -5,6 +5,7 @@ Oracle: a collocated engine on the same weights (float64: greedy and seeded toke
 logprobs; both block pools whole after every case."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -29,16 +30,25 @@ def col(qwen3_tiny):
     return LLM(qwen3_tiny, **ENGINE)
 
 
+@contextlib.contextmanager
+def p_and_d(model: str, async_scheduling: bool):
+    """A P and a D over the tcp connector (loopback), float64, shut down on leaving."""
+    p = LLM(model, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), async_scheduling=async_scheduling,
+            **ENGINE)
+    d = LLM(model, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0), async_scheduling=async_scheduling,
+            **ENGINE)
+    try:
+        yield p, d
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def pd(qwen3_tiny, request):
     """P and D with async scheduling off (the CPU default) and on: P's one token is in flight when it hands off."""
-    p = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_producer", kv_port=free_port()), async_scheduling=request.param,
-            **ENGINE)
-    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0),
-            async_scheduling=request.param, **ENGINE)
-    yield p, d
-    p.engine.shutdown()
-    d.engine.shutdown()
+    with p_and_d(qwen3_tiny, request.param) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda k: f"K{k}")

@@ -18,7 +18,8 @@ from pdserve.transfer.channel import handoffs
 from pdserve.transfer.tcp import consumer as tcp_consumer
 from tests.server_harness import free_port
 from tests.transfer.test_pd_engine import assert_whole, drain
-from tests.transfer.test_pd_first_token import ENGINE, SAMPLING, B, _ids, _kv, lp_view, p_and_d, prompt_of, run_col
+from tests.transfer.test_pd_first_token import ENGINE, SAMPLING, B, _ids, _kv, lp_view, p_and_d, pd_spec, prompt_of, \
+    run_col  # noqa: F401  (pd_spec: a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -303,3 +304,42 @@ def test_awaits_and_running_rows_share_max_num_seqs(pd, col, qwen3_tiny):
         assert_whole(p, d)
     finally:
         d.engine.shutdown()
+
+
+@pytest.mark.parametrize("n", [B, 3 * B + 1])
+def test_awaited_hand_off_with_spec_decode_on_d(pd_spec, n):  # noqa: F811  (the imported fixture)
+    """D drafting K = 2 and 4 (n-gram) from its first step, the await's blocks with their lookahead slots: greedy and
+    seeded output equal the same speculating engine collocated."""
+    p, d, c = pd_spec
+    prompt = prompt_of(c, n)
+    for sp in (SamplingParams(temperature=0, max_tokens=14), SamplingParams(temperature=0.8, seed=9, max_tokens=14)):
+        want, _ = run_col(c, prompt, sp)
+        params = await_params(p)
+        start_d(d, prompt, sp, params)
+        run_p(p, prompt, sp, params["await_kv"]["key"])
+        got = drain(d)["d"]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.num_external_tokens + got.num_cached_tokens == n
+        finish_p(p)
+        assert_whole(p, d)
+
+
+def test_an_await_broken_after_ps_params_releases_ps_lease(pd, col, monkeypatch):
+    """P's KV server fails after sending the params, before the blocks (here: its payload raises, which closes the
+    session with the lease not yet ended): D recomputes the prompt (the failure policy) and sends P a bare `done` on
+    a fresh session, so P's lease ends now rather than at its expiry (30 s)."""
+    p, d = pd
+
+    def broken(block_ids):
+        raise OSError("the cache could not be read")
+
+    monkeypatch.setattr(p.engine.connector.blocks, "payload", broken)
+    prompt, sp = prompt_of(col, 2 * B + 3), SamplingParams(temperature=0, max_tokens=4)
+    want, _ = run_col(col, prompt, sp)
+    params = await_params(p)
+    start_d(d, prompt, sp, params)
+    run_p(p, prompt, sp, params["await_kv"]["key"])
+    got = drain(d)["d"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and got.num_external_tokens == 0
+    finish_p(p, timeout=5.0)
+    assert_whole(p, d)

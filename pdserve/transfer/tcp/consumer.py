@@ -224,6 +224,10 @@ class TcpConsumer:
                 logger.warning("request %s: awaited KV load failed (%s): %s", rid, cause, e)
             with self._lock:
                 self._failed[rid] = f"awaited KV load failed ({cause}): {e}"
+            params = getattr(e, "handoff_params", None)
+            if params:  # broken after P's params came: a bare `done` on a fresh session frees its lease now
+                with suppress(RuntimeError):  # shut down meanwhile
+                    self._loaders.submit(peer_of(params), self._pull, LoadJob(rid, params, 0, []), time.monotonic())
         finally:
             with self._lock:
                 self._inflight.discard(rid)
@@ -252,15 +256,19 @@ class TcpConsumer:
         if not isinstance(count, int) or not 0 <= needed <= count <= len(dst):
             raise ProtocolError(f"producer sends {count!r} blocks for an await of {len(dst)} from block {first}, "
                                 f"whose params need {needed}")
-        for i in range(0, count, BLOCKS_PER_READ):
-            batch = dst[i:min(i + BLOCKS_PER_READ, count)]
-            into = self.blocks.receive_into(batch)
-            h, _ = session.recv(into=into)
-            if h.get("status") != "ok" or h.get("count") != len(batch):
-                raise ProtocolError(f"producer answered {h.get('status')!r} within an await")
-            self.blocks.finish_receive(batch, into)
-            with self.stats.lock:
-                self.stats.bytes_received += len(batch) * self.blocks.bytes_per_block
+        try:
+            for i in range(0, count, BLOCKS_PER_READ):
+                batch = dst[i:min(i + BLOCKS_PER_READ, count)]
+                into = self.blocks.receive_into(batch)
+                h, _ = session.recv(into=into)
+                if h.get("status") != "ok" or h.get("count") != len(batch):
+                    raise ProtocolError(f"producer answered {h.get('status')!r} within an await")
+                self.blocks.finish_receive(batch, into)
+                with self.stats.lock:
+                    self.stats.bytes_received += len(batch) * self.blocks.bytes_per_block
+        except Exception as e:
+            e.handoff_params = params  # the lease P may still hold: `_await` tells it `done`
+            raise
         return params, at
 
     def _pull(self, job: LoadJob, queued: float) -> None:

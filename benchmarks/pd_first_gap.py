@@ -12,6 +12,10 @@ the wait for the engine's next poll). Then, with the load over before the step i
 own step (a plain decode of P's token) against the steady steps that follow (`execute`: the model runner's part of
 a step), and a bare round trip to P's KV server (`renew`, once the requests are done). Medians over the requests
 after the first --skip.
+Then the direct hand-off (docs/pd.md "Early decode"): D takes each request first (`await_kv`, stepping as an idle
+engine does), P is asked (a thread of this process, as the router would), and `direct_params_to_own_token_ms` is
+from P's params reaching D's loader to D's first own token, `direct_own_token_after_p_answer_ms` from P's HTTP answer
+(which the router streams as the first token) to that token: the first gap at idle, less the router's relays.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +145,31 @@ def main() -> int:
                          "first_step_execute_ms": first_exec,
                          "steady_step_execute_ms": statistics.median(steady)})
             time.sleep(0.05)  # idle between requests, as at a low rate
+        direct = []
+        for i in range(args.requests):
+            prompt = [(i * 137 + j * 11) % 8000 + 5 for j in range(args.prompt_len)]
+            key, rid = f"{i:032x}", f"a{i}"
+            eng.add_request(prompt, sp, request_id=rid, kv_transfer_params={
+                "await_kv": {"host": "127.0.0.1", "port": kv_port, "key": key}})
+            eng.step()  # its blocks, and its await asked
+            answered: list[float] = []
+            body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                    "kv_transfer_params": {"do_remote_decode": True, "first_token": True, "handoff_key": key}}
+            asker = threading.Thread(target=lambda b=body: (httpx.post(url + "/v1/completions", json=b, timeout=60),
+                                                            answered.append(time.monotonic())))
+            asker.start()
+            own = None
+            while own is None:
+                own = next((o for o in eng.step() if o.request_id == rid and o.timing), None)
+            t_own = time.monotonic()
+            asker.join()
+            drain_until = time.monotonic() + 10
+            while eng.has_unfinished_requests() and time.monotonic() < drain_until:
+                eng.step()
+            direct.append({"direct_params_to_own_token_ms": 1e3 * (own.metrics.first_own_token_time -
+                                                                   own.metrics.arrival_time),
+                           "direct_own_token_after_p_answer_ms": 1e3 * (t_own - answered[0])})
+            time.sleep(0.05)
         renew = []
         for _ in range(30):
             t = time.perf_counter()
@@ -148,10 +178,11 @@ def main() -> int:
             time.sleep(0.01)
         kept = rows[args.skip:]
         medians = {k: statistics.median(r[k] for r in kept) for k in kept[0]}
+        medians.update({k: statistics.median(r[k] for r in direct[args.skip:]) for k in direct[0]})
         medians["renew_round_trip_ms"] = statistics.median(renew)
         for k, v in medians.items():
             print(f"{k:<26} {v:8.3f}")
-        write_result(args.out, args, medians=medians, rows=rows)
+        write_result(args.out, args, medians=medians, rows=rows, direct=direct)
         eng.shutdown()
     finally:
         dep.stop()

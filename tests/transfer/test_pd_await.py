@@ -175,8 +175,9 @@ def test_d_ending_while_it_awaits_frees_its_blocks(pd, col):
 
 @pytest.mark.parametrize("how", ["timeout", "no-producer"])
 def test_an_await_that_fails_is_recomputed(pd, col, monkeypatch, how):
-    """The await runs out (P never posts) or P's KV server is not there: the failure policy (recompute) prefills
-    the prompt on D."""
+    """The await runs out (P never posts): the failure policy (recompute) prefills the prompt on D. P's KV server
+    not there (the endpoint D's server learnt is stale: P restarted elsewhere) is nobody's failure: prefilled here
+    whatever the policy (the next test)."""
     p, d = pd
     prompt, sp = prompt_of(col, 2 * B), SamplingParams(temperature=0, max_tokens=5)
     want, _ = run_col(col, prompt, sp)
@@ -343,3 +344,21 @@ def test_an_await_broken_after_ps_params_releases_ps_lease(pd, col, monkeypatch)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids and got.num_external_tokens == 0
     finish_p(p, timeout=5.0)
     assert_whole(p, d)
+
+
+def test_a_refused_await_is_prefilled_whatever_the_policy(pd, col, qwen3_tiny):
+    """With kv_load_failure_policy fail, an await whose endpoint refuses the connection (a stale endpoint: P
+    restarted on another port) still prefills on D rather than failing the client's request."""
+    d = LLM(qwen3_tiny, kv_transfer_config=_kv("kv_consumer", kv_transfer_timeout=2.0, kv_load_failure_policy="fail"),
+            **ENGINE)
+    try:
+        prompt, sp = prompt_of(col, B + 3), SamplingParams(temperature=0, max_tokens=4)
+        want, _ = run_col(col, prompt, sp)
+        d.engine.add_request(prompt, sp, request_id="stale", kv_transfer_params={
+            "await_kv": {"host": "127.0.0.1", "port": free_port(), "key": uuid.uuid4().hex}})
+        got = drain(d, deadline=10)["stale"]
+        assert got.outputs[0].finish_reason != "error", got.error
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert_whole(d)
+    finally:
+        d.engine.shutdown()

@@ -217,6 +217,11 @@ class TcpConsumer:
             logger.info("request %s: %s: prefilling it here", rid, e)
             with self._lock:
                 self._gone.add(rid)
+        except ConnectionRefusedError as e:  # P's KV endpoint as D's server last learnt it: P restarted elsewhere?
+            self.stats.count("await_refused")
+            logger.info("request %s: the prefill node's KV server refused the await (%s): prefilling it here", rid, e)
+            with self._lock:
+                self._gone.add(rid)
         except Exception as e:
             cause = "timeout" if isinstance(e, TIMEOUTS) else type(e).__name__
             if not isinstance(e, InterruptedError):

@@ -112,8 +112,10 @@ def main() -> int:
         d = dep.spawn("decode", [*serve, "--kv-transfer-config", json.dumps(consumer)], free_port(), env)
         profiled = [sys.executable, "-m", "cProfile", "-o", args.profile_router, "-m", "pdserve.cli"] \
             if args.profile_router else None
+        # D asked after P answered (the hops this script names); the router's default, early decode, asks D at once
         router = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--pd-first-token", "prefill",
-                                      "--log-level", "warning"], free_port(), env, program=profiled)
+                                      "--no-pd-early-decode", "--log-level", "warning"], free_port(), env,
+                           program=profiled)
         dep.wait_healthy(180)
         rng = random.Random(0)
         base = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,

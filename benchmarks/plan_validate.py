@@ -1,7 +1,8 @@
 """`pdserve plan` against real two-node runs on this machine (issue 36, "Planner").
 
 The deployments two nodes make here, run for real by `bench pd` (`collocated-x2`: two collocated servers behind
-pdserve's router; `default`: 1P1D, D replaying; `first-token` with --pd-first-token prefill), every node on one of
+pdserve's router; `default`: 1P1D, D replaying; `first-token-late` with --pd-first-token prefill and D asked after P
+answered, what the planner's simulator models), every node on one of
 the two cores (one OpenMP thread each, as bench pd gives them), and ranked by `pdserve plan --nodes 2` on a profile
 `pdserve sim calibrate --served --served-neighbours 1` measured at one thread and `--shared-host` (the two nodes
 slow each other while both are mid-step, as they do here), with the same workload (lengths, rates, seed), the same
@@ -30,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-# bench pd's arm -> (pdserve plan's deployment, its --pd-first-token)
+# bench pd's arm -> (pdserve plan's deployment, its --pd-first-token); the simulator models D asked after P answered
+# (the router's --no-pd-early-decode: bench pd's first-token-late), not early decode
 PLAN_OF = {"collocated-x2": ("collocated", "replay"), "default": ("1p1d", "replay"),
-           "first-token": ("1p1d", "prefill")}
+           "first-token-late": ("1p1d", "prefill")}
 
 
 def pdserve(*args: str, env: dict | None = None) -> None:
@@ -66,8 +68,8 @@ def order(shares: dict[str, float], tol: float) -> list[list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", default="collocated-x2,default,first-token",
-                    help="bench pd's two-node arms (default: collocated-x2,default,first-token).")
+    ap.add_argument("--arms", default="collocated-x2,default,first-token-late",
+                    help="bench pd's two-node arms (default: collocated-x2,default,first-token-late).")
     ap.add_argument("--rates", default="4,16", help="Request rates for the whole deployment (default: 4,16).")
     ap.add_argument("--goodput", nargs="+", default=["ttft:40", "tpot:8"], metavar="METRIC:MS",
                     help="The SLOs, bench serve's form (default: ttft:40 tpot:8).")

@@ -37,8 +37,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "/v1/kv/handoff/KEY; authenticated with the KV token), so the gap between P's first token "
                         "and D's first is not also the router's hop, D's tokenizing and the KV pull. D asks only "
                         "its kv_peers (loopback when it has none). Default: on (it lowered the first-token arm's "
-                        "p99 ITL in 7 of 8 bench pd pairs, docs/pd.md); --no-pd-early-decode asks D after P "
-                        "answered, with P's params in the body.")
+                        "p99 ITL in 11 of 12 bench pd pairs, at a median 11% more TTFT where P, D and the router "
+                        "shared 2 cores; docs/pd.md); --no-pd-early-decode asks D after P answered, with P's params "
+                        "in the body.")
     p.add_argument("--max-migrations", type=int, default=_router.MAX_MIGRATIONS,
                    help="How many times one request's answer may move to another node when its node fails "
                         "(default: %(default)s). A stream broken off mid-way resumes on another decode node (or a "

@@ -97,14 +97,11 @@ class Scheduler:
         whether a load started."""
         started = False
         seats = self.config.max_num_seqs
-        bs = self.kv.block_size
-        reserve = self._reserve()
         while self.waiting and not self.transfers.ready and len(self.running) < seats:
             req = self.waiting[0]
             lookahead = self.num_lookahead(req)
             if not (req.kv_transfer_params or {}).get("do_remote_prefill") or req.kv_load_tried or \
-                    self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + lookahead, bs) or \
-                    self._await_waits(req):
+                    self._short_of_blocks(req) or self._await_waits(req):
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             if self.transfers.start_load(req, hits, num_hit, lookahead) != "loading":
@@ -114,10 +111,13 @@ class Scheduler:
             started = True
         return started
 
-    def _reserve(self) -> int:
-        """Free blocks the running rows' next tokens may need (each a block boundary apart)."""
+    def _short_of_blocks(self, req: Request) -> bool:
+        """`req`'s blocks (its tokens, the next one's slot and lookahead) would eat into what the running rows' next
+        tokens may need (each a block boundary apart): loading it now could cause a preemption."""
+        bs = self.kv.block_size
         k = self.spec.num_lookahead_slots if self.spec is not None else 0
-        return len(self.running) * (1 + cdiv(1 + k, self.kv.block_size))
+        reserve = len(self.running) * (1 + cdiv(1 + k, bs))
+        return self.kv.num_free_blocks() < reserve + cdiv(req.num_tokens + 1 + self.num_lookahead(req), bs)
 
     def _await_waits(self, req: Request) -> bool:
         """An await (channel/handoffs.py) holds its blocks for P's queue and prefill, not a pull's milliseconds: it
@@ -128,9 +128,7 @@ class Scheduler:
         if req.kv_load_tried or AWAIT_KV not in (req.kv_transfer_params or {}):
             return False
         awaiting = sum(AWAIT_KV in (r.kv_transfer_params or {}) for r in self.transfers.loading.values())
-        need = cdiv(req.num_tokens + 1 + self.num_lookahead(req), self.kv.block_size)
-        return len(self.running) + awaiting >= self.config.max_num_seqs or \
-            self.kv.num_free_blocks() < self._reserve() + need
+        return len(self.running) + awaiting >= self.config.max_num_seqs or self._short_of_blocks(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -44,6 +44,7 @@ def start_d(d, prompt, sp, params, rid="d", steps=3):
     d.engine.add_request(prompt, sp, request_id=rid, kv_transfer_params=params)
     outs = [o for _ in range(steps) for o in d.engine.step()]
     assert not any(o.outputs[0].token_ids for o in outs if o.request_id == rid)  # nothing before P's post
+    assert rid in d.engine.scheduler.transfers.loading  # blocks held while it awaits
     return outs
 
 
@@ -60,6 +61,15 @@ def run_p(p, prompt, sp, key, ask=True, abort=False):
     raise AssertionError("P made no final output")
 
 
+def hand_off(p, d, prompt, sp, p_prompt=None, **p_kw):
+    """D takes the request first, then P prefills it (`p_prompt`: another prompt under the same key; `ask`,
+    `abort` as run_p): (P's final output, D's)."""
+    params = await_params(p)
+    start_d(d, prompt, sp, params)
+    p_out = run_p(p, prompt if p_prompt is None else p_prompt, sp, params["await_kv"]["key"], **p_kw)
+    return p_out, drain(d)["d"]
+
+
 def finish_p(p, timeout=10.0):
     """P's lease ends once D's await read it (or the router's release): its blocks come back."""
     t0 = time.monotonic()
@@ -74,13 +84,9 @@ def test_awaited_hand_off_equals_collocated(pd, col, n, kind):
     p, d = pd
     prompt, sp = prompt_of(col, n), SamplingParams(max_tokens=10, **SAMPLING[kind])
     want, _ = run_col(col, prompt, sp)
-    params = await_params(p)
     before = d.engine.graph_stats()
-    start_d(d, prompt, sp, params)
-    assert d.engine.scheduler.transfers.loading  # blocks held while it awaits
-    p_out = run_p(p, prompt, sp, params["await_kv"]["key"])
+    p_out, got = hand_off(p, d, prompt, sp)
     assert p_out.kv_transfer_params["first_token"]["id"] == want.outputs[0].token_ids[0]
-    got = drain(d)["d"]
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.outputs[0].text == want.outputs[0].text
     assert lp_view(got) == lp_view(want)
@@ -98,10 +104,7 @@ def test_a_prompt_over_one_read_comes_in_several_frames(pd, col, monkeypatch):
     monkeypatch.setattr("pdserve.transfer.tcp.producer.BLOCKS_PER_READ", 2)
     prompt, sp = prompt_of(col, 5 * B + 3), SamplingParams(temperature=0, max_tokens=4)
     want, _ = run_col(col, prompt, sp)
-    params = await_params(p)
-    start_d(d, prompt, sp, params)
-    run_p(p, prompt, sp, params["await_kv"]["key"])
-    got = drain(d)["d"]
+    _, got = hand_off(p, d, prompt, sp)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.num_external_tokens + got.num_cached_tokens == 5 * B + 3
     finish_p(p)
@@ -115,10 +118,7 @@ def test_nothing_handed_over_ends_ds_request(pd, col, how):
     p, d = pd
     prompt = prompt_of(col, 2 * B + 1)
     sp = SamplingParams(temperature=0.9, seed=5, max_tokens=1 if how == "first-token-ends-it" else 6)
-    params = await_params(p)
-    start_d(d, prompt, sp, params)
-    run_p(p, prompt, sp, params["await_kv"]["key"], abort=how == "p-aborted")
-    got = drain(d)["d"]
+    _, got = hand_off(p, d, prompt, sp, abort=how == "p-aborted")
     assert got.outputs[0].finish_reason == "error" and got.error_status == 409, got
     assert got.outputs[0].token_ids == [] and "handed nothing over" in got.error
     assert ("first token ended" in got.error) == (how == "first-token-ends-it"), got.error
@@ -135,14 +135,10 @@ def test_params_d_cannot_take_whole(pd, col, how):
     prompt = prompt_of(col, 2 * B + 1)
     sp = SamplingParams(temperature=0.9, seed=5, max_tokens=6)
     want, _ = run_col(col, prompt, sp)
-    params = await_params(p)
-    start_d(d, prompt, sp, params)
-    key = params["await_kv"]["key"]
     if how == "params-for-another-prompt":
-        run_p(p, prompt[1:] + prompt[:1], sp, key)
+        _, got = hand_off(p, d, prompt, sp, p_prompt=prompt[1:] + prompt[:1])
     else:
-        run_p(p, prompt, sp, key, ask=False)
-    got = drain(d)["d"]
+        _, got = hand_off(p, d, prompt, sp, ask=False)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.outputs[0].text == want.outputs[0].text
     if how == "no-first-token":
@@ -315,10 +311,7 @@ def test_awaited_hand_off_with_spec_decode_on_d(pd_spec, n):  # noqa: F811  (the
     prompt = prompt_of(c, n)
     for sp in (SamplingParams(temperature=0, max_tokens=14), SamplingParams(temperature=0.8, seed=9, max_tokens=14)):
         want, _ = run_col(c, prompt, sp)
-        params = await_params(p)
-        start_d(d, prompt, sp, params)
-        run_p(p, prompt, sp, params["await_kv"]["key"])
-        got = drain(d)["d"]
+        _, got = hand_off(p, d, prompt, sp)
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.num_external_tokens + got.num_cached_tokens == n
         finish_p(p)
@@ -337,10 +330,7 @@ def test_an_await_broken_after_ps_params_releases_ps_lease(pd, col, monkeypatch)
     monkeypatch.setattr(p.engine.connector.blocks, "payload", broken)
     prompt, sp = prompt_of(col, 2 * B + 3), SamplingParams(temperature=0, max_tokens=4)
     want, _ = run_col(col, prompt, sp)
-    params = await_params(p)
-    start_d(d, prompt, sp, params)
-    run_p(p, prompt, sp, params["await_kv"]["key"])
-    got = drain(d)["d"]
+    _, got = hand_off(p, d, prompt, sp)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids and got.num_external_tokens == 0
     finish_p(p, timeout=5.0)
     assert_whole(p, d)

@@ -60,11 +60,7 @@ class HandedNothing(ProtocolError):
     """P's request ended without handing anything over (its first token ended it, it failed): so does D's."""
 
 
-class _Pending:
-    pass
-
-
-PENDING = _Pending()
+PENDING = object()  # an await P answered `pending`: ask again
 
 
 class TcpConsumer:

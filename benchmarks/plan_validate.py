@@ -1,8 +1,8 @@
 """`pdserve plan` against real two-node runs on this machine (issue 36, "Planner").
 
 The deployments two nodes make here, run for real by `bench pd` (`collocated-x2`: two collocated servers behind
-pdserve's router; `default`: 1P1D, D replaying; `first-token-late` with --pd-first-token prefill and D asked after P
-answered, what the planner's simulator models), every node on one of
+pdserve's router; `default`: 1P1D, D replaying; `first-token` with --pd-first-token prefill and the router's early
+decode, its default; `first-token-late`: D asked after P answered), every node on one of
 the two cores (one OpenMP thread each, as bench pd gives them), and ranked by `pdserve plan --nodes 2` on a profile
 `pdserve sim calibrate --served --served-neighbours 1` measured at one thread and `--shared-host` (the two nodes
 slow each other while both are mid-step, as they do here), with the same workload (lengths, rates, seed), the same
@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-# bench pd's arm -> (pdserve plan's deployment, its --pd-first-token); the simulator models D asked after P answered
-# (the router's --no-pd-early-decode: bench pd's first-token-late), not early decode
-PLAN_OF = {"collocated-x2": ("collocated", "replay"), "default": ("1p1d", "replay"),
-           "first-token-late": ("1p1d", "prefill")}
+# bench pd's arm -> (pdserve plan's deployment, its --pd-first-token, its --pd-early-decode)
+PLAN_OF = {"collocated-x2": ("collocated", "replay", True), "default": ("1p1d", "replay", True),
+           "first-token": ("1p1d", "prefill", True), "first-token-late": ("1p1d", "prefill", False)}
 
 
 def pdserve(*args: str, env: dict | None = None) -> None:
@@ -68,8 +67,9 @@ def order(shares: dict[str, float], tol: float) -> list[list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", default="collocated-x2,default,first-token-late",
-                    help="bench pd's two-node arms (default: collocated-x2,default,first-token-late).")
+    ap.add_argument("--arms", default="collocated-x2,default,first-token",
+                    help=f"bench pd's two-node arms, of {', '.join(PLAN_OF)} (default: "
+                         "collocated-x2,default,first-token).")
     ap.add_argument("--rates", default="4,16", help="Request rates for the whole deployment (default: 4,16).")
     ap.add_argument("--goodput", nargs="+", default=["ttft:40", "tpot:8"], metavar="METRIC:MS",
                     help="The SLOs, bench serve's form (default: ttft:40 tpot:8).")
@@ -122,19 +122,20 @@ def main() -> int:
     print(f"real runs in {time.monotonic() - t0:.0f} s", flush=True)
     sched = SchedulerConfig()  # pdserve serve's defaults, the real nodes' knobs
     sim = {}
-    for first_token in sorted({PLAN_OF[a][1] for a in arms}):
-        deployments = sorted({PLAN_OF[a][0] for a in arms if PLAN_OF[a][1] == first_token})
-        out = work / f"plan_{first_token}"
+    for first_token, early in sorted({PLAN_OF[a][1:] for a in arms}):
+        deployments = sorted({PLAN_OF[a][0] for a in arms if PLAN_OF[a][1:] == (first_token, early)})
+        out = work / (f"plan_{first_token}" + ("" if early else "_late"))
         pdserve("plan", "--profile", profile, "--nodes", "2", "--deployments", ",".join(deployments),
                 "--request-rate", args.rates, *workload, "--goodput", *args.goodput,
                 "--max-num-seqs", str(sched.max_num_seqs), "--max-num-batched-tokens",
                 str(sched.max_num_batched_tokens), "--pd-first-token", first_token,
+                "--pd-early-decode" if early else "--no-pd-early-decode",
                 "--kv-latency-ms", str(args.kv_latency_ms), "--kv-bandwidth-gb-s", str(args.kv_bandwidth_gb_s),
                 "--router-latency-ms", str(args.router_latency_ms), *([] if args.lone else ["--shared-host"]),
                 "--plot-top", "0", "--quiet",
                 "--result-dir", str(out))
         for c in json.loads((out / "plan.json").read_text())["ranking"]:
-            arm = next(a for a in arms if PLAN_OF[a] == (c["deployment"].lower(), first_token))
+            arm = next(a for a in arms if PLAN_OF[a] == (c["deployment"].lower(), first_token, early))
             sim[arm] = {p["rate"]: p for p in c["points"]}
     rows, agree = [], []
     for rate in rates:

@@ -40,9 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 BOUNDS = {"median_ttft_ms": 0.20, "median_tpot_ms": 0.10, "p99_itl_ms": 0.25}  # relative; non-FULL share: 1 pp
 SIM_DEPLOYMENT = {"collocated": ["--deployment", "collocated"], "default": ["--deployment", "1p1d"],
                   "strict": ["--deployment", "1p1d", "--full-graph-rule", "strict"],
-                  # the simulator's first-token deployment asks D after P answered: the router's --no-pd-early-decode
-                  "first-token-late": ["--deployment", "1p1d", "--pd-first-token", "prefill"]}
-SIM_ARM = {"first-token-late": "first-token"}  # bench pd's arm -> the name the simulator gives its results
+                  # the router's default (early decode, the direct hand-off), and D asked after P answered
+                  "first-token": ["--deployment", "1p1d", "--pd-first-token", "prefill"],
+                  "first-token-late": ["--deployment", "1p1d", "--pd-first-token", "prefill", "--no-pd-early-decode"]}
 
 
 def pdserve(*args: str, env: dict | None = None) -> None:
@@ -159,7 +159,7 @@ def main() -> int:
                         "--result-dir", str(sim))
                 for rate in rates:
                     rounds = [per_rate(real, arm, rate) for real in paired[i]]
-                    r, s = median_of(rounds), per_rate(sim, SIM_ARM.get(arm, arm), rate)
+                    r, s = median_of(rounds), per_rate(sim, arm, rate)
                     row = {"model": size, "arm": arm, "rate": rate, "real": r, "sim": s, "real_rounds": rounds,
                            "round": i if args.interleave else None}
                     for k, bound in BOUNDS.items():

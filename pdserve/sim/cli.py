@@ -105,6 +105,12 @@ def add_fleet_args(p: argparse.ArgumentParser):
                         "max_tokens 1, D imports n - 1 tokens and replays the last; prefill: P samples the first "
                         "token, which reaches the client at P's step end (TTFT holds no transfer), D imports n and "
                         "decodes it as a plain row (default: replay).")
+    d.add_argument("--pd-early-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="With --pd-first-token prefill: the router's --pd-early-decode (its default): D takes the "
+                        "request when P is asked and holds its blocks while P prefills; P's KV comes to it from P's "
+                        "step end (the direct hand-off), so D's own request latency is off the first gap. "
+                        "--no-pd-early-decode: D is asked after P answered, with P's params (results then name the "
+                        "arm first-token-late, as bench pd does).")
     d.add_argument("--step-by-step", action="store_true",
                    help="Run every step of every node through the scheduler. By default a node whose batch is a "
                         "steady decode run (every row one plain decode token, nothing to admit, no transfer due) "
@@ -210,13 +216,14 @@ def run_sim(args) -> int:
     if args.pd_first_token == "prefill" and not dep.num_prefill:
         raise ValueError("--pd-first-token prefill is for XpYd deployments (P samples the first token for D)")
     arm = ("collocated" if dep.num_decode == 1 else f"collocated-x{dep.num_decode}") if not dep.num_prefill else \
-        "first-token" if args.pd_first_token == "prefill" else (
+        ("first-token" if args.pd_early_decode else "first-token-late") if args.pd_first_token == "prefill" else (
             "default" if rule == CompilationConfig().full_graph_rule else rule)
     rows = []
     for rate, trace in runs:
         result = simulate(trace, dep, config, profile, transfer=transfer, policy=args.router_policy,
                           spec_acceptance=args.spec_acceptance, seed=args.seed, pd_first_token=args.pd_first_token,
-                          step_by_step=args.step_by_step, shared_host=args.shared_host)
+                          early_decode=args.pd_early_decode, step_by_step=args.step_by_step,
+                          shared_host=args.shared_host)
         result.update(dataset="trace" if args.trace else "random", request_rate=rate, burstiness=args.burstiness,
                       random_input_len=round(sum(r.prompt_len for r in trace) / len(trace)),
                       random_output_len=round(sum(r.output_len for r in trace) / len(trace)),
@@ -478,7 +485,8 @@ def run_plan(args) -> int:
         ranked = plan_search(cands, trace, profile, base, spec_base, slos, transfer=transfer,
                              policy=args.router_policy, spec_acceptance=args.spec_acceptance, seed=args.seed,
                              rates=rates, start_rate=args.start_rate, max_rates=args.max_rates, progress=progress,
-                             pd_first_token=args.pd_first_token, attainment=args.slo_attainment / 100,
+                             pd_first_token=args.pd_first_token, early_decode=args.pd_early_decode,
+                             attainment=args.slo_attainment / 100,
                              step_by_step=args.step_by_step, shared_host=args.shared_host)
     finally:
         bar.close()

@@ -8,6 +8,14 @@ imports all n prompt tokens); D (`kv_consumer`) offers the n - 1 (or n) prompt t
 exactly as on a real D; its load completes at now + transfer time, reported by `get_finished` on D's first step at
 or after that time, and releases P's lease (D's `done` rides its last read, as TcpConnector's).
 
+Under the router's early decode (`--pd-first-token prefill`, its default) D holds the request from the moment P is
+asked, with `await_kv` params (channel/handoffs.py): its scheduler allocates the blocks of all n prompt tokens as for
+any load, and the await is posted on the fabric by its handoff key. P's params come on the fabric when P's step that
+seals them ends (`Fabric.post`, the simulator's call), and the await then completes as a load of those blocks would
+(the transfer model's time from then, or from the await's start if it began later), reported with P's params
+(`FinishedTransfers.params`) for D to take P's first token; an await cancelled by its request's end (the router
+dropping D) is reported at once, so its blocks are freed at D's next poll.
+
 What fails, as on a real pair: P's lease expires `lease_seconds` after P's answer (P frees the blocks at its first
 poll after that; a D whose request queued past it prefills locally: `KVTransfers.start_load`, which starts no load
 on a lease already over, so P never answers a simulated read `expired`); a started load fails with probability
@@ -24,6 +32,9 @@ from typing import Optional
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.request import Request
 from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector, LoadJob, load_job
+from pdserve.transfer.channel.handoffs import AWAIT_KV
+
+CANCELLED = "the request ended while it awaited P's params"
 
 
 class TransferModel:
@@ -69,6 +80,20 @@ class Fabric:
         self.rng = random.Random(seed)  # which loads fail
         self.failed_loads = 0  # loads that failed (the failure rate)
         self.expired_leases = 0  # leases P ended at their expiry, unread
+        # early decode: handoff key -> (when P posted, its params or None: nothing handed over) not awaited yet, and
+        # handoff key -> (D's connector, its await's load) not answered yet
+        self.board: dict[str, tuple[float, Optional[dict]]] = {}
+        self.awaits: dict[str, tuple["SimConnector", LoadJob]] = {}
+
+    def post(self, key: str, params: Optional[dict], now: float) -> Optional["SimConnector"]:
+        """P's params (None: P handed nothing over) under handoff `key` at `now`; returns the D connector whose await
+        they answer now (None: no await yet, they wait on the board for it)."""
+        waiting = self.awaits.pop(key, None)
+        if waiting is None:
+            self.board[key] = (now, params)
+            return None
+        waiting[0].answer(waiting[1], params, now)
+        return waiting[0]
 
     def release(self, params: dict) -> None:
         """D's `done` (its last read, or a bare one): P frees the blocks at its next poll, unless the lease ended."""
@@ -83,12 +108,14 @@ class SimConnector(KVConnector):
         self.role, self.engine_id, self.fabric, self.block_size = role, engine_id, fabric, block_size
         self.now = 0.0  # the node sets it before each step: the simulator's clock
         self.queued: list[LoadJob] = []
-        self.inflight: list[tuple[float, str, dict, str]] = []  # heap of (end time, request id, params, why failed)
+        # heap of (end time, request id, P's params (None: an await that ended without a load), why failed, awaited)
+        self.inflight: list[tuple[float, str, Optional[dict], str, bool]] = []
         self.released: set[str] = set()  # P: leases D has finished reading, or that expired
         self.leases: dict[str, float] = {}  # P: open leases -> when they expire
         # D: request id -> [load started, load seen done], the engine's kv_load_start/end_time (its TTFT split)
         self.load_times: dict[str, list[float]] = {}
         self.open_leases = 0
+        self.can_await = role == "kv_consumer"
         if role == "kv_producer":
             fabric.producers[engine_id] = self
 
@@ -136,29 +163,60 @@ class SimConnector(KVConnector):
             if not job.dst_blocks:  # a bare `done`: D had the prompt cached, or prefills it itself
                 self.fabric.release(job.params)
                 continue
-            num_bytes = len(job.dst_blocks) * self.fabric.block_bytes
-            self.load_times[job.request_id] = [self.now, math.nan]
-            fabric, ends = self.fabric, self.now + self.fabric.transfer.seconds(num_bytes)
-            why = ""
-            if fabric.transfer.load_failure_rate and fabric.rng.random() < fabric.transfer.load_failure_rate:
-                why = "simulated load failure"
+            spec = job.params.get(AWAIT_KV)
+            if spec is None:
+                self._load(job, job.params, self.now)
+            elif (posted := self.fabric.board.pop(spec["key"], None)) is not None:
+                self.answer(job, posted[1], self.now)
             else:
-                fabric.bytes_moved += num_bytes
-            heapq.heappush(self.inflight, (ends, job.request_id, job.params, why))
+                self.fabric.awaits[spec["key"]] = (self, job)
+
+    def answer(self, job: LoadJob, params: Optional[dict], now: float) -> None:
+        """D: P's `params` for the await `job` came at `now`: its KV loads from then; None: P handed nothing over."""
+        if params is None:
+            heapq.heappush(self.inflight, (now, job.request_id, None, "the prefill node handed nothing over", False))
+        else:
+            self._load(job, params, now, awaited=True)
+
+    def _load(self, job: LoadJob, params: dict, now: float, awaited: bool = False) -> None:
+        num_bytes = len(job.dst_blocks) * self.fabric.block_bytes
+        self.load_times[job.request_id] = [now, math.nan]
+        fabric, ends = self.fabric, now + self.fabric.transfer.seconds(num_bytes)
+        why = ""
+        if fabric.transfer.load_failure_rate and fabric.rng.random() < fabric.transfer.load_failure_rate:
+            why = "simulated load failure"
+        else:
+            fabric.bytes_moved += num_bytes
+        heapq.heappush(self.inflight, (ends, job.request_id, params, why, awaited))
+
+    def cancel_load(self, request_id: str) -> None:
+        """An await not answered yet stops now (reported at the next poll); a load runs to its end."""
+        for key, (conn, job) in list(self.fabric.awaits.items()):
+            if conn is self and job.request_id == request_id:
+                del self.fabric.awaits[key]
+                heapq.heappush(self.inflight, (self.now, request_id, None, CANCELLED, False))
 
     def load_ends(self, request_ids: set[str]) -> list[float]:
         """When the loads in flight of `request_ids` end (are seen by a poll at or after that time)."""
-        return [end for end, rid, _, _ in self.inflight if rid in request_ids]
+        return [end for end, rid, *_ in self.inflight if rid in request_ids]
 
     def get_finished(self) -> FinishedTransfers:
         fin = FinishedTransfers()
         while self.inflight and self.inflight[0][0] <= self.now:
-            _, rid, params, why = heapq.heappop(self.inflight)
+            _, rid, params, why, awaited = heapq.heappop(self.inflight)
+            if params is None:  # an await that ended without a load: cancelled, or nothing handed over
+                if why == CANCELLED:
+                    fin.failed[rid] = why
+                else:
+                    fin.refused[rid] = why
+                continue
             if why:
                 fin.failed[rid] = why
                 self.fabric.failed_loads += 1
             else:
                 fin.done_recving.add(rid)
+                if awaited:
+                    fin.params[rid] = (params, self.load_times[rid][0])
             self.load_times[rid][1] = self.now  # seen done at this poll, as the engine stamps it
             self.fabric.release(params)  # a failed load's bare `done` too
         for rid in [rid for rid, t in self.leases.items() if t <= self.now]:  # P: expired, never read

@@ -187,7 +187,7 @@ class SimNode:
         assert self.leap is None, "a planned leap is applied (catch_up) before the node steps again"
         if self.connector is not None:
             self.connector.now = now
-            self.scheduler.process_transfers(self.connector.get_finished())  # no load fails here
+            self._process_transfers()
             now = self._load_early(now)
         out = self.scheduler.schedule()
         if self.connector is not None:
@@ -391,8 +391,31 @@ class SimNode:
         start = max(ends) if max(ends) <= deadline else deadline  # the engine polls until all end, or the deadline
         if start > now:
             self.connector.now = start
-            self.scheduler.process_transfers(self.connector.get_finished())
+            self._process_transfers()
         return start
+
+    def _process_transfers(self) -> None:
+        """The connector's finished transfers at its `now`, as the engine's poll applies them: an await's params
+        first (LLMEngine.take_awaited: P's first token becomes the request's, through the stop checks), then the
+        scheduler's P/D half. A request failed here (an await P handed nothing to) ends as on D, unseen by a client
+        (the router dropped it)."""
+        fin = self.connector.get_finished()
+        for rid, (params, _) in fin.params.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or rid not in fin.done_recving:
+                continue
+            first = params.get("first_token")
+            if first is not None and first.get("key") != req.sampling_params.first_token_key():
+                params = {k: v for k, v in params.items() if k != "first_token"}  # replayed here
+                first = None
+            req.kv_transfer_params = params
+            if first is not None:
+                req.append_output_token(first["id"])
+                req.num_new_tokens = 1
+                status = self.scheduler.check_stop(req, first["id"])
+                if status is not None:
+                    self.scheduler.finish_request(rid, status)
+        self.scheduler.process_transfers(fin)
 
     def _random_token(self) -> int:
         return FIRST_TOKEN_ID + int(self.rng.random() * (self.vocab_size - FIRST_TOKEN_ID))  # randrange's cost / 3

@@ -218,11 +218,12 @@ def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Prof
                 slos: dict[str, float], *, transfer: TransferModel, policy: str, spec_acceptance: float, seed: int,
                 rates: Optional[list[float]], start_rate: Optional[float], max_rates: int,
                 progress: Optional[Callable[[Candidate], None]] = None, pd_first_token: str = "replay",
-                attainment: float = 0.0, step_by_step: bool = False, shared_host: bool = False
-                ) -> list[Evaluation]:
+                attainment: float = 0.0, step_by_step: bool = False, shared_host: bool = False,
+                early_decode: bool = True) -> list[Evaluation]:
     """Every candidate evaluated (progress called after each), ranked; the sweep starts at `start_rate` per node,
     or (None) at START_SHARE of the candidate's capacity(); `pd_first_token` applies to the XpYd candidates (the
-    router's flag: collocated ones have no router hand-off); the runs leap over steady decode runs unless
+    router's flag: collocated ones have no router hand-off), with `early_decode` (the router's --pd-early-decode);
+    the runs leap over steady decode runs unless
     `step_by_step`; `shared_host`: every candidate's nodes on one machine's cores (both simulate's)."""
     if not slos:
         raise ValueError("--goodput: give at least one SLO (e.g. --goodput ttft:200 tpot:50)")
@@ -231,7 +232,7 @@ def plan_search(cands: list[Candidate], trace: list[TraceRequest], profile: Prof
         return simulate(tr, c.deployment, engine_config(base, c, spec_base), profile, transfer=transfer,
                         policy=policy, spec_acceptance=spec_acceptance, seed=seed, slos=slos,
                         pd_first_token=pd_first_token if c.deployment.num_prefill else "replay",
-                        step_by_step=step_by_step, shared_host=shared_host)
+                        early_decode=early_decode, step_by_step=step_by_step, shared_host=shared_host)
     evals = []
     for c in cands:
         start = start_rate * c.num_nodes if start_rate is not None else START_SHARE * capacity(

@@ -72,10 +72,12 @@ def build_nodes(dep: Deployment, config: EngineConfig, profile: Profile, transfe
 def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, profile: Profile, *,
              transfer: Optional[TransferModel] = None, policy: str = "round-robin", spec_acceptance: float = 0.0,
              seed: int = 0, on_step=None, slos: Optional[dict[str, float]] = None,
-             pd_first_token: str = "replay", step_by_step: bool = False, shared_host: bool = False) -> dict:
+             pd_first_token: str = "replay", step_by_step: bool = False, shared_host: bool = False,
+             early_decode: bool = True) -> dict:
     """Run `trace` on the deployment; returns bench serve's result dict (see module docstring). `slos` (seconds
     by metric, bench serve's --goodput) adds `request_goodput`; `pd_first_token`: the router's --pd-first-token
-    (replay or prefill, for an XpYd deployment); `step_by_step`: every step through the scheduler, no
+    (replay or prefill, for an XpYd deployment), with `early_decode` the router's --pd-early-decode (prefill only:
+    D asked when P is, its KV straight from P's step end); `step_by_step`: every step through the scheduler, no
     event-leaping (the same results, slower; sim/simulator.py); `shared_host`: every node on one machine's cores,
     each step slowed by the profile's served.neighbour_scale per other node mid-step as it starts (a deployment run
     on one machine, as bench pd's; steps then go one by one, since a leap's step times would change)."""
@@ -90,7 +92,8 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
     # the router stands in front of xPyD and of several collocated nodes; a lone collocated node is served directly
     routed = transfer is not None and (dep.num_prefill > 0 or dep.num_decode > 1)
     sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=not (step_by_step or shared_host),
-                    router_latency_s=transfer.router_latency_s if routed else 0.0, delay_seed=seed)
+                    router_latency_s=transfer.router_latency_s if routed else 0.0, delay_seed=seed,
+                    early_decode=early_decode)
     t0 = time.perf_counter()
     results, duration = sim.run(trace, lambda r: prompt_token_ids(r, VOCAB_SIZE, seed))
     wall = time.perf_counter() - t0
@@ -119,6 +122,7 @@ def simulate(trace: list[TraceRequest], dep: Deployment, config: EngineConfig, p
         "generated_texts": [""] * len(results), "errors": [r.error for r in results],
         "request_ids": [r.request_id for r in trace],
         "sim": {"deployment": dep.name, "router_policy": policy, "pd_first_token": pd_first_token,
+                "pd_early_decode": early_decode and pd_first_token == "prefill",
                 "profile": profile.raw, "wall_s": wall, "step_by_step": step_by_step, "shared_host": shared_host,
                 "kv_bytes_transferred": fabric.bytes_moved if fabric else 0,
                 "kv_failed_loads": fabric.failed_loads if fabric else 0,

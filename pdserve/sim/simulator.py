@@ -10,7 +10,11 @@ Deployments:
   prompts do. With the router's `--pd-first-token prefill` P gets the client's own params with the first token
   asked (`first_token`), samples it and stops; the token reaches the client at P's step end, and D, given P's
   params with the token, imports all n prompt tokens and decodes it as a plain row (no replay); a token that ends
-  the request (output length 1) is P's whole answer and D is not asked.
+  the request (output length 1) is P's whole answer and D is not asked. With the router's early decode (its default
+  there, `early_decode`) D is asked when P is: it takes the request with `await_kv` params (blocks for all n prompt
+  tokens allocated as its scheduler admits it), and the KV comes over the fabric from P's step end
+  (`Fabric.post`, the direct hand-off of channel/handoffs.py); when P's token ends the request the router drops D's
+  request (aborted there, its await cancelled).
 
 A request reaches the node it is sent to the profile's `served.request_latency_s` later (its time outside the node's
 steps: HTTP in and out, translation, the engine's wire; 0 for a bare profile), and in xPyD each send passes the
@@ -40,11 +44,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from pdserve.bench.metrics import RequestResult
+from pdserve.request import RequestStatus
 from pdserve.router.nodes import Node as RouterNode
 from pdserve.router.nodes import Pool
 from pdserve.sim.connector import Fabric
 from pdserve.sim.node import Leap, SimNode, StepRecord
 from pdserve.sim.trace import TraceRequest
+from pdserve.transfer.channel.handoffs import AWAIT_KV
 
 
 @dataclass
@@ -62,6 +68,9 @@ class ClientView:
     p_done: Optional[float] = None
     d_arrival: Optional[float] = None
     d_scheduled: Optional[float] = None
+    # early decode: the D node holding the request while P prefills (it reaches D no later than P: the same request
+    # latency, and P's prefill after it)
+    d_node: Optional[str] = None
 
     def ttft_stages(self, load: Optional[list[float]], first_from_p: bool = False) -> dict[str, float]:
         """Seconds per stage, for the stages this request passed, as the router splits TTFT (router/timing.py);
@@ -104,15 +113,17 @@ class Simulator:
     def __init__(self, prefill: list[SimNode], decode: list[SimNode], policy: str = "round-robin",
                  fabric: Optional[Fabric] = None, on_step: Optional[Callable[[SimNode, StepRecord], None]] = None,
                  pd_first_token: str = "replay", leap: bool = True, router_latency_s: float = 0.0,
-                 delay_seed: int = 0):
+                 delay_seed: int = 0, early_decode: bool = True):
         """`prefill` empty: a collocated deployment of the `decode` nodes. `router_latency_s`: what the router adds to
         each send through it (0 where no router stands in front: a lone collocated node). `pd_first_token`: the router's
         --pd-first-token (replay: vLLM's, D replays the last prompt token; prefill: P's token is the first).
+        `early_decode`: with prefill, the router's --pd-early-decode (D asked when P is; False: after P answered).
         `leap`: advance steady decode runs in leaps (False: every step through the scheduler, --step-by-step)."""
         if pd_first_token not in ("replay", "prefill"):
             raise ValueError(f"--pd-first-token must be 'replay' or 'prefill', got {pd_first_token!r}")
         self.prefill_nodes, self.decode_nodes, self.fabric, self.on_step = prefill, decode, fabric, on_step
         self.first_from_p = pd_first_token == "prefill" and bool(prefill)
+        self.early = self.first_from_p and early_decode
         self.pd = bool(prefill)
         self.p_pool = Pool([RouterNode(n.name) for n in prefill], policy)
         self.d_pool = Pool([RouterNode(n.name) for n in decode], policy)
@@ -166,6 +177,8 @@ class Simulator:
                 self._run_node(self.by_name[payload], t)
             elif kind == "prefilled":
                 self._to_decode(*payload, t)
+            elif kind == "drop":
+                self._drop_decode(payload, t)
             elif kind == "reach":
                 pool, view, output_len, params = payload
                 self._submit(pool, view, t, output_len, params)
@@ -200,6 +213,8 @@ class Simulator:
         return {k: 1000.0 * sum(x) / len(x) for k, x in sums.items()}
 
     def _submit(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
+        if view.error:
+            return  # early decode: P refused it already (the router answered the client); D is not asked
         rn = pool.pick()
         node = self.by_name[rn.url]
         try:
@@ -211,6 +226,8 @@ class Simulator:
         self.owner[(node.name, req.request_id)] = view
         if pool is self.d_pool:
             view.d_arrival = t
+            if (params or {}).get(AWAIT_KV):
+                view.d_node = node.name
         self._touch(node, t)
         node.add(req)
         if req.is_finished:  # P's first token ended it at D's admission: nothing to run (the client has it)
@@ -225,13 +242,35 @@ class Simulator:
         if self.pd and view.trace.prompt_len > 1 and self.first_from_p:
             # the client's own params, the first token asked for: P samples it and stops after it
             self._send(self.p_pool, view, t, view.trace.output_len, {"do_remote_decode": True, "first_token": True})
+            if self.early:  # D at once, awaiting P's params under the request's handoff key
+                self._send(self.d_pool, view, t, view.trace.output_len,
+                           {"do_remote_prefill": True, AWAIT_KV: {"key": view.trace.request_id}})
         elif self.pd and view.trace.prompt_len > 1:
             self._send(self.p_pool, view, t, 1, {"do_remote_decode": True})
         else:
             self._send(self.d_pool, view, t, view.trace.output_len, None)
 
     def _to_decode(self, view: ClientView, params: Optional[dict], t: float) -> None:
-        self._send(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
+        if not self.early:
+            self._send(self.d_pool, view, t, view.trace.output_len, params)  # no params: D prefills it
+            return
+        # P seals its params at its step's end and its KV server answers D's await with them and the KV
+        conn = self.fabric.post(view.trace.request_id, params, t)
+        if conn is not None:
+            node = self.by_name[conn.engine_id]
+            self._touch(node, t)
+            self._wake(node, t)
+
+    def _drop_decode(self, view: ClientView, t: float) -> None:
+        """The router drops D's open request (P's answer was all of it): D aborts it, its await cancelled."""
+        node = self.by_name[view.d_node]
+        self._touch(node, t)
+        if node.connector is not None:
+            node.connector.now = t
+        node.scheduler.finish_request(view.trace.request_id, RequestStatus.FINISHED_ABORTED)
+        del self.owner[(node.name, view.trace.request_id)]
+        self.router_node[node.name].in_flight -= 1
+        self._wake(node, t)
 
     def _send(self, pool: Pool, view: ClientView, t: float, output_len: int, params: Optional[dict]) -> None:
         """The request leaves for a node of `pool` at `t` and reaches it the pool's request latency later (and, xPyD,
@@ -273,6 +312,8 @@ class Simulator:
             view.p_done = end
             if self.first_from_p and req.kv_transfer_params_out is None:
                 view.finished, view.prompt = end, None  # P's token ended it: P's answer is all of it
+                if self.early:
+                    self._push(end, "drop", view)
             else:
                 self._push(end, "prefilled", (view, req.kv_transfer_params_out))
         else:
@@ -334,8 +375,12 @@ class Simulator:
             view = self.owner.get((node.name, req.request_id))
             if view is None:
                 continue
-            if not is_p or self.first_from_p:  # P's first token goes to the client at once (its way back through the
-                view.chunks.append((rec.end, n, len(rec.rows)))  # router is not modelled: the hop is counted on sends)
+            if self.first_from_p and not is_p and view.p_done is not None and req.num_output_tokens == n:
+                n -= 1  # D sampled the first token itself (its await failed: prefilled here): the router cuts it
+            # P's first token goes to the client at once (its way back through the router is not modelled: the hop
+            # is counted on sends)
+            if (not is_p or self.first_from_p) and n:
+                view.chunks.append((rec.end, n, len(rec.rows)))
             if req.is_finished:
                 self._finished(node, req, view, rec.end, is_p)
         self._after_step(node, t, rec.end)

@@ -91,19 +91,23 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(linear_profile):
     assert prefill[0].connector.open_leases == 0
 
 
-def test_first_token_mode_under_pressure_ends_every_lease(linear_profile):
+@pytest.mark.parametrize("early", [False, True])
+def test_first_token_mode_under_pressure_ends_every_lease(linear_profile, early):
     """Tight blocks on both sides (loads wait for blocks, leases pile up on P) and a prompt D has cached whole:
     every request runs to its length, P's leases all end and both pools are whole."""
     trace = random_trace(30, 150, 10, request_rate=50.0, seed=3) + [
         TraceRequest(f"same{i}", 1.0 + i, 48, 4, "same", 48) for i in range(4)]
     prefill, decode, fabric = build_nodes(parse_deployment("1p1d"), cfg(num_gpu_blocks_override=80), linear_profile,
                                           TransferModel(1e8, 0.002), 0.0, 0)
-    sim = Simulator(prefill, decode, "round-robin", fabric, pd_first_token="prefill")
+    sim = Simulator(prefill, decode, "round-robin", fabric, pd_first_token="prefill", early_decode=early)
     results, _ = sim.run(trace, [prompt_token_ids(t, 32000) for t in trace])
     assert_done_and_whole(results, trace, prefill, decode)
-    assert prefill[0].connector.open_leases == 0
-    # 48 tokens = 3 whole blocks: once D holds them all from the first load, later ones load nothing
-    assert [f"same{i}" in decode[0].connector.load_times for i in range(4)] == [True, False, False, False]
+    assert prefill[0].connector.open_leases == 0 and not fabric.awaits
+    loads = [f"same{i}" in decode[0].connector.load_times for i in range(4)]
+    if early:  # D takes it before P's token exists: its prefix hit leaves the last prompt token, so it awaits the
+        assert loads == [True] * 4 and not fabric.board  # last block each time (the engine's hit, n - 1 at most)
+    else:  # 48 tokens = 3 whole blocks: once D holds them all from the first load, later ones load nothing
+        assert loads == [True, False, False, False]
 
 
 def test_collocated_has_no_first_token_from_p(linear_profile):
@@ -144,6 +148,10 @@ def test_the_cli_flag_names_the_arm_and_is_refused_collocated(tmp_path, capsys):
     run = json.loads((tmp_path / "r" / "first-token_rate1.json").read_text())
     assert run["completed"] == 6 and run["sim"]["pd_first_token"] == "prefill"
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["arms"] == ["first-token"]
+    assert run["sim"]["pd_early_decode"] is True
+    assert main(base + ["--deployment", "1p1d", "--no-pd-early-decode", "--result-dir", str(tmp_path / "late")]) == 0
+    late = json.loads((tmp_path / "late" / "first-token-late_rate1.json").read_text())
+    assert late["completed"] == 6 and late["sim"]["pd_early_decode"] is False
 
 
 def test_speculative_decoding_on_d_after_ps_token(linear_profile):

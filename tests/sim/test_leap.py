@@ -34,7 +34,8 @@ class Run:
 
 
 def _run(trace, dep: str, leap: bool, *, policy: str = "round-robin", pd_first_token: str = "replay",
-         transfer: TransferModel = LINK, nodes: int = 1, profile: Optional[dict] = None, **engine) -> Run:
+         transfer: TransferModel = LINK, nodes: int = 1, profile: Optional[dict] = None, early_decode: bool = True,
+         **engine) -> Run:
     from pdserve.sim.profile import profile_from_dict
     from tests.sim.conftest import LINEAR
     config = EngineConfig.from_kwargs("sim", **{"max_num_seqs": 16, "max_model_len": 1024, **engine})
@@ -56,7 +57,7 @@ def _run(trace, dep: str, leap: bool, *, policy: str = "round-robin", pd_first_t
         records[node.name].append((rec.start, rec.end, rec.mode, rec.reason, rec.num_tokens, rec.padded_tokens,
                                    tuple(rec.rows), tuple(rec.preempted),
                                    tuple((r.request_id, n) for r, n in rec.emitted)))
-    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=leap)
+    sim = Simulator(prefill, decode, policy, fabric, on_step, pd_first_token, leap=leap, early_decode=early_decode)
     results, duration = sim.run(trace, lambda r: prompt_token_ids(r, 32000, 0))
     return Run(results, duration, prefill + decode, requests, records, schedules, fabric)
 
@@ -103,6 +104,12 @@ CASES = {
                                                    "max_num_seqs": 8}),
     "odd sizes": (_odd_sizes(), "collocated", {"max_model_len": 255}),
     "odd sizes 1p1d first token": (_odd_sizes(), "1p1d", {"max_model_len": 255, "pd_first_token": "prefill"}),
+    "odd sizes 1p1d first token, D asked after P": (_odd_sizes(), "1p1d", {
+        "max_model_len": 255, "pd_first_token": "prefill", "early_decode": False}),
+    # early decode: awaits holding D's seats and blocks, failed awaited loads prefilled on D, 1-token answers
+    "early decode, full seats, loads fail": (RANDOM + [TraceRequest("one", 0.05, 30, 1)], "1p2d", {
+        "pd_first_token": "prefill", "max_num_seqs": 3, "transfer": TransferModel(1e9, 1e-3,
+                                                                                  load_failure_rate=0.3)}),
     "prefix sharing": (PREFIXED, "collocated", {}),
     "full seats, loads in flight": (RANDOM, "1p1d", {"max_num_seqs": 4, "transfer": SLOW}),
     "leases expire, loads fail": (RANDOM, "1p2d", {"max_num_seqs": 1, "transfer": TransferModel(

@@ -212,21 +212,25 @@ def test_a_load_wait_out_of_range_is_refused():
         TransferModel(1e9, 0.0, load_wait_s=1.5)
 
 
-@pytest.mark.parametrize("deployment,first_token,visits", [("collocated", "replay", 1), ("1p1d", "replay", 2),
-                                                            ("1p1d", "prefill", 1)])
-def test_a_served_profiles_request_latency_is_paid_on_each_node_a_request_reaches(deployment, first_token, visits):
+@pytest.mark.parametrize("deployment,first_token,early,visits", [
+    ("collocated", "replay", True, 1), ("1p1d", "replay", True, 2), ("1p1d", "prefill", False, 1),
+    ("1p1d", "prefill", True, 1)])
+def test_a_served_profiles_request_latency_is_paid_on_each_node_a_request_reaches(deployment, first_token, early,
+                                                                                   visits):
     """A lone request's TTFT grows by the profile's request latency once per node before its first token (P and D
     when D replays, P alone when P's token is the first), its gaps between tokens not at all but for the one that
-    holds D's arrival (P's token to D's first)."""
+    holds D's arrival (P's token to D's first) when D is asked after P answered; under early decode D's arrival
+    (4 ms) comes before P's prefill (3.4 ms) ends, so the first gap does not hold it."""
     from pdserve.sim.profile import profile_from_dict
     from tests.sim.conftest import LINEAR
     trace = [TraceRequest("r0", 0.0, 37, 9)]
     runs = [simulate(trace, parse_deployment(deployment), cfg(), profile_from_dict(
-        {**LINEAR, "served": {"request_latency_s": lat}}), transfer=FAST, pd_first_token=first_token)
-        for lat in (0.0, 0.004)]
+        {**LINEAR, "served": {"request_latency_s": lat}}), transfer=FAST, pd_first_token=first_token,
+        early_decode=early) for lat in (0.0, 0.004)]
     assert runs[1]["ttfts"][0] - runs[0]["ttfts"][0] == pytest.approx(visits * 0.004)
     gaps = [b - a for a, b in zip(runs[0]["itls"][0], runs[1]["itls"][0])]
-    assert gaps == pytest.approx([0.004 if first_token == "prefill" else 0.0] + [0.0] * (len(gaps) - 1), abs=1e-12)
+    first = 0.004 if first_token == "prefill" and not early else 0.0
+    assert gaps == pytest.approx([first] + [0.0] * (len(gaps) - 1), abs=1e-12)
 
 
 @pytest.mark.parametrize("deployment,nodes,first_token,sends", [("collocated", 1, "replay", 0),

@@ -9,6 +9,10 @@ fitted by least squares on relative error with coefficients kept >= 0 (fit()).
 On CPU the modes differ only in what runs eagerly around the same callables (docs/graphs.md): the fitted bases are
 this machine's, not graph speedups.
 
+The graphs engine then measures the profile's `idle` section (`measure_idle`): how much a step costs extra after
+the engine slept 2-100 ms, and how that extra fades over the steps after it (the grid's steps run back to back and
+never show it; a real node at a low rate pays it at each arrival).
+
 `--served` then measures what serving adds (the profile's `served` section, profile.py): a real `pdserve serve`
 (its default backend, the same graph settings and thread count) gets the same grid as streamed completions, each
 batch's requests sent together. Once every request of a batch streams, its steps are r rows decoding: a stream's mean
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -39,13 +44,17 @@ from typing import Callable, Optional
 import numpy as np
 
 from pdserve.sim.node import _shape
-from pdserve.sim.profile import MODES, StepShape, profile_from_dict
+from pdserve.sim.profile import MODES, Idle, StepShape, profile_from_dict
 from pdserve.sim.trace import TraceRequest, prompt_token_ids
 
 FEATURES = ("per_token_s", "per_row_s", "per_context_token_s")
 LONE_PROBES = 4  # lone requests per context after the served grid, for the request latency's median
 DELAY_QUANTILES = 101  # chunk_delay_quantiles_s: 1% apart (the most a profile takes)
 DELAY_MIN_CHUNKS = 50  # chunks a batch size needs for quantiles of its own (chunk_delay_by_rows)
+# the idle section (measure_idle): the pauses probed, each this many times, around these steady and timed steps
+IDLE_GAPS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+IDLE_REPEATS = 5
+IDLE_WARM, IDLE_AFTER = 3, 2
 
 
 def _features(s: StepShape) -> list[float]:
@@ -53,9 +62,10 @@ def _features(s: StepShape) -> list[float]:
 
 
 def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int, eager: bool,
-            engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None
-            ) -> tuple[list[tuple[StepShape, float]], dict]:
-    """(shape, seconds) of every step of the grid on one engine; and the model facts a profile records."""
+            engine_kwargs: Optional[dict] = None, progress: Optional[Callable[[str], None]] = None,
+            idle: bool = False) -> tuple[list[tuple[StepShape, float]], dict]:
+    """(shape, seconds) of every step of the grid on one engine; and the model facts a profile records (with
+    `idle`, the profile's `idle` section measured on the same engine after the grid, `measure_idle`)."""
     from pdserve.config import EngineConfig
     from pdserve.core.engine import LLMEngine
     from pdserve.model.hf_config import model_dims
@@ -102,8 +112,47 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
              "device": engine.device.type, "vocab_size": vocab,
              "kv_bytes_per_token": kv_bytes_per_block(model_dims(engine.hf_config, engine.max_model_len), 1,
                                                       engine.dtype)}
+    if idle and decode_steps >= IDLE_WARM + IDLE_AFTER + 1:
+        facts["idle"] = measure_idle(engine, min(contexts), decode_steps)
+        if progress is not None:
+            progress("idle: " + ", ".join(f"{1e3 * e:.2f} ms after {1e3 * g:g} ms" for g, e in
+                                          zip(facts["idle"]["gaps_s"], facts["idle"]["extra_s"])))
     engine.shutdown()
     return samples, facts
+
+
+def measure_idle(engine, context: int, decode_steps: int) -> dict:
+    """The profile's `idle` section: lone requests of `context` tokens; after IDLE_WARM steady decode steps the
+    engine sleeps one of IDLE_GAPS_S (taken in turn, IDLE_REPEATS times each) and the next IDLE_AFTER steps are
+    timed against the steady ones' median. `extra_s`: each gap's median first-step extra (>= 0, never falling as
+    gaps grow: a longer pause cools at least as much); `decay`: the second step's extra over the first's, the median
+    over the gaps of 10 ms and more (where the extra stands clear of the steps' noise), in [0, 0.9]."""
+    from pdserve.sampling_params import SamplingParams
+    firsts: dict[float, list[float]] = {g: [] for g in IDLE_GAPS_S}
+    ratios = []
+    for k in range(IDLE_REPEATS * len(IDLE_GAPS_S)):
+        gap = IDLE_GAPS_S[k % len(IDLE_GAPS_S)]
+        tr = TraceRequest(f"idle-{k}", 0.0, context, decode_steps)
+        engine.add_request(prompt_token_ids(tr, engine.vocab_size, seed=4), SamplingParams(
+            max_tokens=decode_steps, ignore_eos=True, temperature=0), request_id=tr.request_id)
+        times = []
+        while engine.has_unfinished_requests():
+            if len(times) == 1 + IDLE_WARM:  # the prefill, then the steady decode steps
+                time.sleep(gap)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        steady = statistics.median(times[1:1 + IDLE_WARM])
+        extra = [t - steady for t in times[1 + IDLE_WARM:1 + IDLE_WARM + IDLE_AFTER]]
+        firsts[gap].append(extra[0])
+        if gap >= 0.01 and extra[0] > 0:
+            ratios.append(extra[1] / extra[0])
+    out, floor = [], 0.0
+    for g in IDLE_GAPS_S:
+        floor = max(floor, statistics.median(firsts[g]), 0.0)
+        out.append(floor)
+    decay = min(0.9, max(0.0, statistics.median(ratios))) if ratios else 0.0
+    return {"gaps_s": list(IDLE_GAPS_S), "extra_s": out, "decay": decay}
 
 
 def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -248,11 +297,12 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
 
 
 def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: Callable[[StepShape], float],
-               beside: Optional[Batches] = None, neighbours: int = 1) -> tuple[dict, dict]:
+               beside: Optional[Batches] = None, neighbours: int = 1, idle: Idle = Idle()) -> tuple[dict, dict]:
     """(the profile's `served` section, its fit report) from the served batches; `bare`: the bare steps measured
     with the same engine settings (a batch's decode and prefill step shapes are read from them), `predict`: the
     bare profile; `beside`: the same batches run beside `neighbours` other servers decoding back to back, which fits
-    `neighbour_scale`."""
+    `neighbour_scale`; `idle`: the profile's idle section, whose extra a lone request's prefill paid after the
+    server idled (the simulator adds it apart, so it is taken out of the request latency)."""
     gaps, firsts, delays = _decode_runs(batches, bare)
     if len(gaps) < 2:
         raise ValueError("the served batches gave too few decode runs to fit: widen the grid (--rows, "
@@ -264,7 +314,10 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
         scale, overhead = 1.0, max(0.0, float(np.median(y - X[:, 0])))
     served = {"step_scale": float(scale), "step_overhead_s": float(overhead)}
     rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
-    lat = [t - (scale * predict(s) + overhead) for s, t in firsts]
+    lat = [t - (scale * predict(s) + overhead) for s, t, _ in firsts]
+    whole = max(0.0, float(statistics.median(lat))) if lat else 0.0
+    if lat and idle.gaps_s:  # the server idled from the last chunk through the request's own way in
+        lat = [x - idle.extra(g + whole) for x, (_, _, g) in zip(lat, firsts)]
     served["request_latency_s"] = max(0.0, float(statistics.median(lat))) if lat else 0.0
     # how late chunks reach the client past the pace of their run (_lateness): the host's stalls, p99 ITL's tail.
     # DELAY_QUANTILES quantiles, 0 to 100%: at 21 (5% apart) the top 5% was drawn evenly from p95 to the largest
@@ -275,6 +328,7 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     served.update(_delay_fields(delays, ""))
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
               "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts),
+              "request_latency_s_with_idle_extra": whole,  # the request latency with the idle extra left in
               "chunks": sum(len(d) for d in delays.values())}
     if beside:
         # the same batches' decode runs with `neighbours` other servers busy throughout: how much longer a step
@@ -325,13 +379,16 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
                  ) -> tuple[dict[tuple[int, int], tuple[StepShape, float]], list[tuple[StepShape, float]],
                             dict[int, list[float]]]:
     """({(rows, context): (the decode run's step shape, its mean gap)}, [(a lone request's prefill shape, its time to
-    the first chunk)], {rows: every decode-run chunk's lateness in seconds in batches of that many streams}) of the
-    served batches (fit_served's docstring)."""
+    the first chunk, the client's idle time before it was sent)], {rows: every decode-run chunk's lateness in
+    seconds in batches of that many streams}) of the served batches (fit_served's docstring)."""
     decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
     prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
     runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
     firsts, delays = [], {}
+    last_end = None  # the previous batch's last chunk: the server idles from there to the next send
     for r, c, t0, streams in batches:
+        idle_before = t0 - last_end if last_end is not None else math.inf
+        last_end = max((t[-1] for t in streams if t), default=last_end)
         if r not in decode_shape or any(len(t) < 2 for t in streams):
             continue
         # From the first chunk at or after the batch's last first token, every step is r rows decoding. A stream's
@@ -353,7 +410,7 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
             runs.setdefault((r, c), []).append((StepShape(s.mode, r, s.padded_tokens, r, ctx, ctx),
                                                 statistics.median(g for _, _, g in spans)))
         if r == 1 and c in prefill_shape:
-            firsts.append((prefill_shape[c], streams[0][0] - t0))
+            firsts.append((prefill_shape[c], streams[0][0] - t0, idle_before))
     # a batch run more than once: its median run (an odd count's middle one, an even count's upper middle)
     gaps = {k: sorted(v, key=lambda x: x[1])[len(v) // 2] for k, v in runs.items()}
     return gaps, firsts, delays
@@ -377,10 +434,12 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
         raise ValueError("--served needs 1 in --rows: a lone request's first chunk gives the request latency")
     samples, facts = [], {}
     graphs: list = []
+    idle = None
     for eager in (False, True):
-        got, facts = measure(model, rows, contexts, decode_steps, eager, engine_kwargs, progress)
+        got, facts = measure(model, rows, contexts, decode_steps, eager, engine_kwargs, progress, idle=not eager)
         samples += got
         graphs = graphs or got  # the served engine's settings: graphs on, as `pdserve serve`'s default
+        idle = idle or facts.get("idle")
     coefs, report = fit(samples)
     report.update(rows=rows, context_lens=contexts, decode_steps=decode_steps,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -388,10 +447,13 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
          "model": {"name": Path(model).name, "kv_bytes_per_token": facts["kv_bytes_per_token"],
                    "max_model_len": facts["max_model_len"]},
          "coefficients": coefs, "fit": report}
+    if idle is not None:
+        d["idle"] = idle
     bare = profile_from_dict(d)  # what we write must load
     if served:
         batches, beside = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"], progress,
                                          neighbours, served_repeats)
-        d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time, beside, neighbours)
+        d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time, beside, neighbours,
+                                                   bare.idle)
         profile_from_dict(d)
     return d

@@ -73,6 +73,7 @@ class Leap:
     ends: list[float]
     allocs: list[tuple[int, int]]
     finishing: bool  # its last step ends rows (a length cap)
+    colds: list[float]  # what each step pays for the idle time before the run (SimNode._cold after it)
     c0: list[int] = field(default_factory=list)
     num_steps: int = 0
 
@@ -127,7 +128,8 @@ class SimNode:
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
         self._follow: dict[str, tuple[dict, int]] = {}  # request id -> (token -> latest successor, tokens indexed)
-        self.busy_until = 0.0
+        self.busy_until = 0.0  # when its last step ends (or ended)
+        self._cold = 0.0  # what its last step paid for the idle time before it (the profile's `idle` section)
         # the nodes sharing this one's machine (itself included; `--shared-host`): each one mid-step slows a step
         # that starts by the profile's served.neighbour_scale. None: a machine of its own.
         self.host: Optional[list["SimNode"]] = None
@@ -204,6 +206,8 @@ class SimNode:
         if self.host is not None:
             busy = sum(n is not self and n.busy_until > now for n in self.host)
             dt *= 1.0 + self.profile.served.neighbour_scale * busy
+        self._cold = self.profile.idle.extra(now - self.busy_until, self._cold)
+        dt += self._cold
         rows = [(r.request.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.rows]
         sampled = self.sampler(out) if self.sampler is not None else self._sample(out)
         updated = self.scheduler.update_from_output(out, sampled)
@@ -276,22 +280,26 @@ class SimNode:
         mode, desc, reason, num_tokens = graph
         nxt = conn.next_event() if conn is not None else None
         ctx = sum(r.num_computed_tokens for r in running) + num_rows  # _shape's context: c + 1 a row, +1 a step
-        starts, ends = [], []
+        starts, ends, colds = [], [], []
         t = now
-        step_time, m = self.profile.step_time, mode.value
+        step_time, m, idle = self.profile.step_time, mode.value, self.profile.idle
+        cold, gap = self._cold, now - self.busy_until  # as `step` reads them: only the first step follows a gap
         for _ in range(steps):
             if nxt is not None and t >= nxt:
                 break
             starts.append(t)
-            t = t + step_time(StepShape(m, num_tokens, desc.num_tokens, num_rows, ctx, ctx))
+            cold = idle.extra(gap, cold)
+            gap = 0.0
+            t = t + (step_time(StepShape(m, num_tokens, desc.num_tokens, num_rows, ctx, ctx)) + cold)
             ends.append(t)
+            colds.append(cold)
             ctx += num_rows
         if not starts:
             return False
         n = len(starts)
         finishing = n == last + 1
         self.leap = Leap(list(running), m, reason, num_tokens, desc.num_tokens, starts, ends,
-                         [a for a in allocs if a[0] < n], finishing)
+                         [a for a in allocs if a[0] < n], finishing, colds)
         self.busy_until = starts[-1] if finishing else ends[-1]
         return True
 
@@ -309,7 +317,7 @@ class SimNode:
         m = len(starts) if at_end else max(1, bisect.bisect_left(starts, now))
         if m < len(starts):
             lp.finishing = False
-            del starts[m:], lp.ends[m:]
+            del starts[m:], lp.ends[m:], lp.colds[m:]
         self._chunk = min(2 * self._chunk, LEAP_MAX_CHUNK) if at_end else LEAP_FIRST_CHUNK
         rows, kv, sched = lp.rows, self.kv, self.scheduler
         num_rows = len(rows)
@@ -371,6 +379,7 @@ class SimNode:
         for s, e in zip(starts, lp.ends):  # added one by one, as step by step adds them (the same float sum)
             self.busy_s += e - s
         self.busy_until = lp.ends[-1]
+        self._cold = lp.colds[-1]
         if self.connector is not None:
             self.connector.now = starts[-1]  # as the last step's poll set it
         return lp

@@ -26,11 +26,17 @@ quantiles at evenly spaced probabilities, drawn per chunk by the simulated clien
 chunk from a step of that many rows or more (up to the next) draws from instead; `neighbour_chunk_delay_quantiles_s`
 and `neighbour_chunk_delay_by_rows` the same measured beside a busy neighbour (`--served-neighbours`), drawn for
 every chunk where several nodes share the host (`pdserve sim --shared-host`).
+Both may carry an `idle` section (`pdserve sim calibrate` measures it on the bare engine): what a step costs extra
+when the node sat idle before it (its code and working set cool with time on a CPU host, benchmarks/idle_step.py),
+`extra_s` at each of `gaps_s` (seconds since the node's last step ended; linear between them and from (0, 0), the
+last beyond them), and `decay`: each following step pays that share of the step before it's extra (a gap while one
+still decays: the larger of the two).
 Both carry a `model` section: `kv_bytes_per_token` (all layers, K and V: what a block of KV costs in memory and on
 the wire) and optionally `max_model_len`.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass
@@ -53,6 +59,51 @@ class StepShape:
 
 class ProfileError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Idle:
+    """A step's extra seconds after the node sat idle (the module's docstring); none by default."""
+    gaps_s: tuple = ()
+    extra_s: tuple = ()
+    decay: float = 0.0
+
+    def extra(self, gap: float, before: float = 0.0) -> float:
+        """The extra of a step that starts `gap` seconds after the node's last step ended, that step having paid
+        `before`."""
+        carried = before * self.decay
+        if gap <= 0 or not self.gaps_s:
+            return carried
+        g, e = self.gaps_s, self.extra_s
+        i = bisect.bisect_left(g, gap)
+        if i == len(g):
+            cold = e[-1]
+        else:
+            g0, e0 = (g[i - 1], e[i - 1]) if i else (0.0, 0.0)
+            cold = e0 + (gap - g0) / (g[i] - g0) * (e[i] - e0)
+        return max(cold, carried)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Idle":
+        if "idle" not in d:
+            return cls()
+        sec = _section(d, "idle")
+        _only(sec, ("gaps_s", "extra_s", "decay"), "idle.")
+        gaps, extra = sec.get("gaps_s"), sec.get("extra_s")
+        for key, v in (("gaps_s", gaps), ("extra_s", extra)):
+            if not isinstance(v, list) or not 1 <= len(v) <= 32:
+                raise ProfileError(f"idle.{key}: must be a list of 1 to 32 numbers, got {v!r}"[:160])
+        if len(extra) != len(gaps):
+            raise ProfileError(f"idle.extra_s: must have one number per idle.gaps_s entry ({len(gaps)}), got "
+                               f"{len(extra)}")
+        g = tuple(_number({"": v}, "", f"idle.gaps_s[{i}]", positive=True) for i, v in enumerate(gaps))
+        if any(b <= a for a, b in zip(g, g[1:])):
+            raise ProfileError("idle.gaps_s: must increase")
+        e = tuple(_number({"": v}, "", f"idle.extra_s[{i}]") for i, v in enumerate(extra))
+        decay = _number(sec, "decay", "idle.")
+        if decay >= 1:
+            raise ProfileError(f"idle.decay: must be a fraction in [0, 1), got {decay!r}")
+        return cls(g, e, decay)
 
 
 @dataclass(frozen=True)
@@ -203,6 +254,7 @@ class LinearProfile(_ServedSteps):
     per_context_token_s: float
     raw: dict  # the JSON as loaded (written back unchanged into results)
     served: Served = Served()
+    idle: Idle = Idle()
 
     def bare_step_time(self, s: StepShape) -> float:
         return (self.base_s[s.mode] + self.per_token_s * s.padded_tokens + self.per_row_s * s.num_reqs
@@ -220,6 +272,7 @@ class RooflineProfile(_ServedSteps):
     overhead_s: dict
     raw: dict
     served: Served = Served()
+    idle: Idle = Idle()
 
     def bare_step_time(self, s: StepShape) -> float:
         bytes_moved = self.weight_bytes + self.model.kv_bytes_per_token * s.context_tokens
@@ -235,14 +288,15 @@ def profile_from_dict(d: dict) -> Profile:
         raise ProfileError(f"a profile is a JSON object, got {type(d).__name__}")
     kind = d.get("type")
     if kind == "linear":
-        _only(d, ("type", "name", "device", "model", "coefficients", "fit", "served"), "")
+        _only(d, ("type", "name", "device", "model", "coefficients", "fit", "served", "idle"), "")
         c = _section(d, "coefficients")
         _only(c, ("base_s", "per_token_s", "per_row_s", "per_context_token_s"), "coefficients.")
         return LinearProfile(ModelShape.from_dict(_section(d, "model")), _base(c),
                              _number(c, "per_token_s", "coefficients."), _number(c, "per_row_s", "coefficients."),
-                             _number(c, "per_context_token_s", "coefficients."), d, Served.from_dict(d))
+                             _number(c, "per_context_token_s", "coefficients."), d, Served.from_dict(d),
+                             Idle.from_dict(d))
     if kind == "roofline":
-        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s", "fit", "served"), "")
+        _only(d, ("type", "name", "device", "model", "gpu", "step_overhead_s", "fit", "served", "idle"), "")
         if not isinstance(d.get("fit", {}), dict):
             raise ProfileError(f"fit: must be an object, got {d['fit']!r}"[:120])
         m = _section(d, "model")
@@ -256,7 +310,7 @@ def profile_from_dict(d: dict) -> Profile:
                                else 0.0,
                                _number(g, "memory_bandwidth_gb_s", "gpu.", positive=True) * 1e9 * eff,
                                _number(g, "peak_tflops", "gpu.", positive=True) * 1e12,
-                               _per_mode(d, "step_overhead_s"), d, Served.from_dict(d))
+                               _per_mode(d, "step_overhead_s"), d, Served.from_dict(d), Idle.from_dict(d))
     raise ProfileError(f"type: must be 'linear' or 'roofline', got {kind!r}"[:120] if "type" in d else "type: missing")
 
 

@@ -18,6 +18,7 @@ from pdserve.sim.connector import TransferModel
 from pdserve.sim.run import build_nodes, parse_deployment
 from pdserve.sim.simulator import Simulator
 from pdserve.sim.trace import TraceRequest, prompt_token_ids, random_trace
+from tests.sim.conftest import LINEAR
 
 LINK = TransferModel(1e9, 1e-3)
 
@@ -37,7 +38,6 @@ def _run(trace, dep: str, leap: bool, *, policy: str = "round-robin", pd_first_t
          transfer: TransferModel = LINK, nodes: int = 1, profile: Optional[dict] = None, early_decode: bool = True,
          **engine) -> Run:
     from pdserve.sim.profile import profile_from_dict
-    from tests.sim.conftest import LINEAR
     config = EngineConfig.from_kwargs("sim", **{"max_num_seqs": 16, "max_model_len": 1024, **engine})
     prefill, decode, fabric = build_nodes(parse_deployment(dep, nodes), config, profile_from_dict(profile or LINEAR),
                                           transfer, 0.0, 0)
@@ -117,6 +117,9 @@ CASES = {
     "least-loaded, 3 nodes": (RANDOM, "collocated", {"nodes": 3, "policy": "least-loaded", "max_num_seqs": 5}),
     "strict rule, block size 8": (RANDOM, "2p2d", {"full_graph_rule": "strict", "block_size": 8}),
     "roofline, served steps": (RANDOM, "1p1d", {"profile": ROOFLINE}),
+    # steps after a pause pay the profile's idle extra, fading over the next ones: a leap's first steps too
+    "idle extra, early decode": (RANDOM, "1p1d", {"pd_first_token": "prefill", "profile": {**LINEAR, "idle": {
+        "gaps_s": [0.001, 0.01], "extra_s": [0.0003, 0.0012], "decay": 0.5}}}),
     # a budget of 8 tokens: prompts in chunks beside the decodes, which leap once the queue is empty
     "small budget, chunked prefills": ([TraceRequest(f"b{i}", 0.0, 20, 30 + i) for i in range(16)], "collocated",
                                {"max_num_batched_tokens": 8}),

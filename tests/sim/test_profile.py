@@ -246,6 +246,11 @@ def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir, tmp_path, 
     # together), and both lone requests' first chunks
     # the grid's 2 lone requests and LONE_PROBES more per context (repeats: the synthetic test)
     assert 2 <= f["decode_runs"] <= 4 and f["first_chunks"] == 2 + 2 * LONE_PROBES
+    # the idle section, measured on the graphs engine: an extra per probed pause, never falling as pauses grow
+    from pdserve.sim.calibrate import IDLE_GAPS_S
+    idle = d["idle"]
+    assert idle["gaps_s"] == list(IDLE_GAPS_S) and p.idle.gaps_s == IDLE_GAPS_S
+    assert all(0 <= a <= b for a, b in zip(idle["extra_s"], idle["extra_s"][1:])) and 0 <= idle["decay"] <= 0.9
     assert len(s["chunk_delay_quantiles_s"]) == 101 and f["chunks"] > 0
     assert len(s["neighbour_chunk_delay_quantiles_s"]) == 101  # the same grid's chunks beside the busy server
     shape = StepShape("FULL", 2, 2, 2, 40, 40)

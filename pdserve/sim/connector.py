@@ -14,7 +14,8 @@ any load, and the await is posted on the fabric by its handoff key. P's params c
 seals them ends (`Fabric.post`, the simulator's call), and the await then completes as a load of those blocks would
 (the transfer model's time from then, or from the await's start if it began later), reported with P's params
 (`FinishedTransfers.params`) for D to take P's first token; an await cancelled by its request's end (the router
-dropping D) is reported at once, so its blocks are freed at D's next poll.
+dropping D) is reported at once, so its blocks are freed at D's next poll; one that begins after P's lease ended
+(D's seats were full for that long) is `gone`, prefilled on D, as a real P's KV server answers it.
 
 What fails, as on a real pair: P's lease expires `lease_seconds` after P's answer (P frees the blocks at its first
 poll after that; a D whose request queued past it prefills locally: `KVTransfers.start_load`, which starts no load
@@ -35,6 +36,7 @@ from pdserve.transfer.base import ConnectorMeta, FinishedTransfers, KVConnector,
 from pdserve.transfer.channel.handoffs import AWAIT_KV
 
 CANCELLED = "the request ended while it awaited P's params"
+GONE = "the prefill node's lease ended before the await began"
 
 
 class TransferModel:
@@ -175,6 +177,8 @@ class SimConnector(KVConnector):
         """D: P's `params` for the await `job` came at `now`: its KV loads from then; None: P handed nothing over."""
         if params is None:
             heapq.heappush(self.inflight, (now, job.request_id, None, "the prefill node handed nothing over", False))
+        elif params.get("lease_expires", math.inf) <= now:  # D's await began after P let the KV go: LeaseGone
+            heapq.heappush(self.inflight, (now, job.request_id, None, GONE, False))
         else:
             self._load(job, params, now, awaited=True)
 
@@ -204,9 +208,11 @@ class SimConnector(KVConnector):
         fin = FinishedTransfers()
         while self.inflight and self.inflight[0][0] <= self.now:
             _, rid, params, why, awaited = heapq.heappop(self.inflight)
-            if params is None:  # an await that ended without a load: cancelled, or nothing handed over
+            if params is None:  # an await that ended without a load: cancelled, P's lease over, nothing handed over
                 if why == CANCELLED:
                     fin.failed[rid] = why
+                elif why == GONE:
+                    fin.gone.add(rid)  # prefilled here whatever the policy
                 else:
                     fin.refused[rid] = why
                 continue

@@ -112,3 +112,19 @@ def test_failed_loads_are_prefilled_on_d_and_each_token_reaches_the_client_once(
                                            TransferModel(1e9, 0.001, load_failure_rate=rate))
     assert fabric.failed_loads == (len(trace) if rate == 1.0 else fabric.failed_loads) > 0
     assert [r.output_tokens for r in results] == [t.output_len for t in trace]
+
+
+def test_an_await_that_begins_after_ps_lease_ended_is_prefilled_on_d(linear_profile):
+    """D holds one request at a time (max_num_seqs 1) and P's leases last 50 ms: awaits that only begin once a seat
+    frees find P's lease over (a real P's KV server answers LeaseGone) and D prefills those prompts itself; every
+    lease that expired is one request prefilled on D, and each still reaches the client whole."""
+    d_prefills = set()
+
+    def on_step(node, rec):
+        if node.name == "decode0":
+            d_prefills.update(r[0] for r in rec.rows if r[1] == 0)
+    trace = random_trace(12, 200, 30, request_rate=200.0, seed=6)
+    results, prefill, decode, fabric = run(linear_profile, trace, True, TransferModel(1e9, 0.001, lease_seconds=0.05),
+                                           on_step, max_num_seqs=1)
+    assert fabric.expired_leases > 0 and len(d_prefills) == fabric.expired_leases
+    assert set(decode[0].connector.load_times) == {t.request_id for t in trace} - d_prefills

@@ -82,14 +82,15 @@ class Fabric:
         self.rng = random.Random(seed)  # which loads fail
         self.failed_loads = 0  # loads that failed (the failure rate)
         self.expired_leases = 0  # leases P ended at their expiry, unread
-        # early decode: handoff key -> (when P posted, its params or None: nothing handed over) not awaited yet, and
-        # handoff key -> (D's connector, its await's load) not answered yet
-        self.board: dict[str, tuple[float, Optional[dict]]] = {}
+        # early decode: handoff key -> (when P posted, its params) not awaited yet, and handoff key -> (D's
+        # connector, its await's load) not answered yet. A request whose token ended it at P posts nothing: the
+        # router drops its D (the simulator aborts it there)
+        self.board: dict[str, tuple[float, dict]] = {}
         self.awaits: dict[str, tuple["SimConnector", LoadJob]] = {}
 
-    def post(self, key: str, params: Optional[dict], now: float) -> Optional["SimConnector"]:
-        """P's params (None: P handed nothing over) under handoff `key` at `now`; returns the D connector whose await
-        they answer now (None: no await yet, they wait on the board for it)."""
+    def post(self, key: str, params: dict, now: float) -> Optional["SimConnector"]:
+        """P's params under handoff `key` at `now`; returns the D connector whose await they answer now (None: no
+        await yet, they wait on the board for it)."""
         waiting = self.awaits.pop(key, None)
         if waiting is None:
             self.board[key] = (now, params)
@@ -173,11 +174,9 @@ class SimConnector(KVConnector):
             else:
                 self.fabric.awaits[spec["key"]] = (self, job)
 
-    def answer(self, job: LoadJob, params: Optional[dict], now: float) -> None:
-        """D: P's `params` for the await `job` came at `now`: its KV loads from then; None: P handed nothing over."""
-        if params is None:
-            heapq.heappush(self.inflight, (now, job.request_id, None, "the prefill node handed nothing over", False))
-        elif params.get("lease_expires", math.inf) <= now:  # D's await began after P let the KV go: LeaseGone
+    def answer(self, job: LoadJob, params: dict, now: float) -> None:
+        """D: P's `params` for the await `job` came at `now`: its KV loads from then."""
+        if params.get("lease_expires", math.inf) <= now:  # D's await began after P let the KV go: LeaseGone
             heapq.heappush(self.inflight, (now, job.request_id, None, GONE, False))
         else:
             self._load(job, params, now, awaited=True)
@@ -208,13 +207,11 @@ class SimConnector(KVConnector):
         fin = FinishedTransfers()
         while self.inflight and self.inflight[0][0] <= self.now:
             _, rid, params, why, awaited = heapq.heappop(self.inflight)
-            if params is None:  # an await that ended without a load: cancelled, P's lease over, nothing handed over
+            if params is None:  # an await that ended without a load: cancelled, or P's lease was over
                 if why == CANCELLED:
                     fin.failed[rid] = why
-                elif why == GONE:
-                    fin.gone.add(rid)  # prefilled here whatever the policy
                 else:
-                    fin.refused[rid] = why
+                    fin.gone.add(rid)  # prefilled here whatever the policy
                 continue
             if why:
                 fin.failed[rid] = why

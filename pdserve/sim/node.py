@@ -406,8 +406,7 @@ class SimNode:
     def _process_transfers(self) -> None:
         """The connector's finished transfers at its `now`, as the engine's poll applies them: an await's params
         first (LLMEngine.take_awaited: P's first token becomes the request's, through the stop checks), then the
-        scheduler's P/D half. A request failed here (an await P handed nothing to) ends as on D, unseen by a client
-        (the router dropped it)."""
+        scheduler's P/D half."""
         fin = self.connector.get_finished()
         for rid, (params, _) in fin.params.items():
             req = self.scheduler.requests.get(rid)

@@ -265,8 +265,7 @@ class Simulator:
         """The router drops D's open request (P's answer was all of it): D aborts it, its await cancelled."""
         node = self.by_name[view.d_node]
         self._touch(node, t)
-        if node.connector is not None:
-            node.connector.now = t
+        node.connector.now = t
         node.scheduler.finish_request(view.trace.request_id, RequestStatus.FINISHED_ABORTED)
         del self.owner[(node.name, view.trace.request_id)]
         self.router_node[node.name].in_flight -= 1

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
+from spies import timed  # noqa: E402
 
 KINDS = ("sleep", "spin", "sleep+forward")
 
@@ -70,21 +71,14 @@ def main() -> int:
               kv_cache_memory_gb=0.05)
     eng = llm.engine
     runner = eng.runner
-    execute, prepare = runner.execute, runner.prepare
+    prepare = runner.prepare
     step_ms: list[float] = []
     last = []
-
-    def timed_execute(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return execute(*a, **kw)
-        finally:
-            step_ms.append(1e3 * (time.perf_counter() - t))
 
     def kept_prepare(*a, **kw):
         last[:] = [prepare(*a, **kw)]
         return last[0]
-    runner.execute, runner.prepare = timed_execute, kept_prepare
+    runner.execute, runner.prepare = timed(runner.execute, step_ms), kept_prepare
 
     def idle(kind: str, gap_ms: float) -> None:
         end = time.perf_counter() + gap_ms / 1e3

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
+from spies import timed  # noqa: E402
 
 TOKEN = "pd-first-gap-bench"
 
@@ -105,16 +106,8 @@ def main() -> int:
             finally:
                 del session.recv
         Consumer.start_load_kv, Consumer._pull, Consumer._transfer = timed_start, timed_pull, timed_transfer
-        execute = eng.runner.execute
         step_ms: list[float] = []
-
-        def timed_execute(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return execute(*a, **kw)
-            finally:
-                step_ms.append(1e3 * (time.perf_counter() - t))
-        eng.runner.execute = timed_execute
+        eng.runner.execute = timed(eng.runner.execute, step_ms)
         sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         rows, params = [], None
         for i in range(args.requests):

@@ -84,6 +84,7 @@ from pdserve.router.timing import TtftSplit
 from pdserve.router.upstream import Answer, ConnectFailed, UpstreamError
 from pdserve.serve.body import read_body
 from pdserve.serve.errors import APIError
+from pdserve.serve.gc_heap import freeze_startup_heap
 from pdserve.serve.handoff import HANDOFF_KEY
 from pdserve.serve.server_timing import KV_UNUSED_HEADER, parse_server_timing
 from pdserve.transfer.channel.proof import NOT_VERIFIED
@@ -392,6 +393,7 @@ class Router(Fleet):
 def build_app(router: Router) -> FastAPI:
     async def lifespan(app):
         task = asyncio.create_task(router.health_loop())
+        freeze_startup_heap()
         yield
         task.cancel()
         await router.client.aclose()

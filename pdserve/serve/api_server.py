@@ -30,6 +30,7 @@ from pdserve.serve.async_engine import AsyncEngine
 from pdserve.serve.body import DRAIN_SLACK, read_body
 from pdserve.serve import json_body
 from pdserve.serve.errors import APIError, bad_request, install_error_handlers
+from pdserve.serve.gc_heap import freeze_startup_heap
 from pdserve.serve.handoff import Handoffs, KVEndpoints, ParamsClient
 from pdserve.serve.kv_routes import add_kv_routes
 from pdserve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -101,12 +102,14 @@ class ServerState:
         info = self.engine.info
         # EngineInfo counts the usable blocks; vLLM's num_gpu_blocks is the pool's, its null block included
         self.metrics.engine_ready(info.max_model_len, self.cache_config, info.num_blocks + 1)
-        self.serving = OpenAIServing(self.engine, ModelInfo(
+        serving = OpenAIServing(self.engine, ModelInfo(
             self.names, self.tokenizer, info.vocab_size, info.max_model_len, self.generation_config,
             info.has_kv_connector, self.cfg.max_prompt_chars or CHARS_PER_TOKEN * info.max_model_len,
             self.cfg.max_waiting, self.max_num_seqs, kv_token=self.kv_token,
             trust_request_chat_template=self.cfg.trust_request_chat_template),
             self.handoffs, self.params_client, self.peer_hosts, self.kv_endpoints)
+        freeze_startup_heap()  # before the first request is served
+        self.serving = serving
         if self.cfg.trust_request_chat_template:
             logger.warning("--trust-request-chat-template: requests' own chat templates are rendered (code from "
                            "clients, run by this server): only for clients you trust")

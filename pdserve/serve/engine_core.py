@@ -8,7 +8,6 @@ added at once: its KV load is D's one question to P (a lease P no longer holds i
 """
 from __future__ import annotations
 
-import gc
 import os
 import logging
 import queue
@@ -19,6 +18,7 @@ from pdserve.core.errors import EngineDeadError
 from pdserve.serve.engine_commands import AbortAll, AbortRequest, AddRequest, CheckKVProbe, GetKVInfo, GetKVProbe, \
     GetLeases, GetStats, Ping, Query, ReleaseLease, ReleaseRemoteKV, Stop
 from pdserve.serve.engine_messages import EngineInfo, StepBatch, TokenRecord, Wire, record
+from pdserve.serve.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("pdserve.serve.engine")
 
@@ -44,9 +44,7 @@ class EngineCore:
             self.sink(RuntimeError(f"engine start-up failed: {type(e).__name__}: {e}"))
             return
         eng = self.engine
-        gc.collect()
-        gc.freeze()  # start-up objects live as long as the server: no later collection walks them (a full one took
-        # ~95 ms on a D, a pause that would land inside a decode step)
+        freeze_startup_heap()  # no later collection walks the model and engine (a full one took ~95 ms on a D)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None, eng.async_scheduling))
         from pdserve.worker.cpu_threads import adaptive_threads

@@ -25,6 +25,7 @@ def server(model, **cfg):
     state = ServerState(EngineConfig.from_kwargs(model, block_size=4, max_model_len=53),
                         ServerConfig(**{"enable_debug_routes": True, "engine_backend": "thread", **cfg}))
     with TestClient(build_app(state)) as c:
+        c.app_state = state
         deadline = time.monotonic() + 60
         while c.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "server not healthy"

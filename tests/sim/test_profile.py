@@ -188,6 +188,31 @@ def test_fit_served_reads_lockstep_decode_gaps_and_the_lone_first_chunk():
     assert again["request_latency_s"] == pytest.approx(0.005, rel=0.02) and report["first_chunks"] == 6
 
 
+def test_fit_served_takes_the_idle_extra_out_of_the_request_latency():
+    """The same batches sent one after another, each 30 ms after the last one's final chunk: a lone request's
+    prefill then pays the idle extra at 35 ms (the pause and its 5 ms way in), which the simulator adds apart, so the
+    request latency is fitted without it; without an idle section it stays in."""
+    from pdserve.sim.profile import Idle
+    bare_p = profile_from_dict(LINEAR)
+    bare = [(StepShape("FULL", r, r, r, r * 65, r * 65), 0.0) for r in (1, 4)] + \
+        [(StepShape("PIECEWISE", c, c, 1, c, c), 0.0) for c in (64, 200)]
+    rule = lambda s: 1.4 * bare_p.bare_step_time(s) + 0.0007  # noqa: E731
+    idle = Idle.from_dict({"idle": {"gaps_s": [0.01, 0.05], "extra_s": [0.001, 0.003], "decay": 0.3}})
+    cold = idle.extra(0.035)
+    batches, end = [], 0.0
+    for r, c, _, streams in sorted(synthetic_batches(rule), key=lambda b: -b[0]):  # a lone batch follows another
+        t0 = end + 0.03
+        extra = cold if r == 1 else 0.0  # a lone prefill is the step after the pause
+        streams = [[t0 + extra + x for x in st] for st in streams]
+        batches.append((r, c, t0, streams))
+        end = max(st[-1] for st in streams)
+    with_idle, report = fit_served(batches, bare, bare_p.bare_step_time, idle=idle)
+    assert with_idle["request_latency_s"] == pytest.approx(0.005, rel=0.02)
+    assert report["request_latency_s_with_idle_extra"] == pytest.approx(0.005 + cold, rel=0.02)
+    assert fit_served(batches, bare, bare_p.bare_step_time)[0]["request_latency_s"] == \
+        pytest.approx(0.005 + cold, rel=0.02)
+
+
 @pytest.mark.parametrize("neighbours", [1, 2])
 def test_fit_served_reads_the_slowdown_beside_busy_neighbours(neighbours):
     """The same synthetic batches run 1.6x slower beside `neighbours` busy servers: neighbour_scale is the ratio

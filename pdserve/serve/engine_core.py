@@ -44,11 +44,13 @@ class EngineCore:
             self.sink(RuntimeError(f"engine start-up failed: {type(e).__name__}: {e}"))
             return
         eng = self.engine
+        from pdserve.worker.cpu_threads import adaptive_threads, small_steps
+        self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
+        if self.cpu_threads is not None:  # threads not pinned: small steps on one (SmallSteps)
+            eng.runner.small_steps = small_steps(eng.runner.num_params)
         freeze_startup_heap()  # no later collection walks the model and engine (a full one took ~95 ms on a D)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None, eng.async_scheduling))
-        from pdserve.worker.cpu_threads import adaptive_threads
-        self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
         graphs = getattr(getattr(eng, "runner", None), "graph_stats", None)
         graphs = graphs if graphs is not None and graphs.log_interval is not None else None  # only with the table
         batch = StepBatch(0.0)

@@ -9,6 +9,12 @@ engines, 10.6 ms with one thread. One thread costs a fifth (tiny) to a half (sma
 cores are free, so the engine keeps its threads then and gives them up only while the cores are contended.
 vLLM's CPU worker instead keeps one core free for its engine-core process at all times.
 
+A small step runs on one thread even when the cores are free (`SmallSteps`): a one-row decode of the tiny model is
+~300 regions of microseconds each, as fast on one thread as on two, and on two each region's barrier also waits
+out whatever the server and the client run beside it per streamed token (a single stream here: p99 ITL ~7 ms on
+two threads, ~4 on one). Its gate is the step's work, tokens x the model's parameters: the small model's one-row
+step is 1.3x faster on two threads and keeps them.
+
 `CpuThreads.poll()` is called between steps; once per `interval` it reads the whole machine's busy time
 (/proc/stat), subtracts its own process's (and the server process's, which shares its work) and so learns what the
 rest of the machine used. Set OMP_NUM_THREADS to fix the count (or PDSERVE_ADAPTIVE_THREADS=0 to keep torch's),
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -118,3 +125,41 @@ def adaptive_threads(device_type: str, partner_pid: Optional[int] = None,
             os.environ.get("PDSERVE_ADAPTIVE_THREADS", "1") == "0" or machine_busy_seconds() is None:
         return None
     return CpuThreads(torch.get_num_threads(), partner_pid=partner_pid, set_threads=set_threads)
+
+
+# A step whose tokens x model parameters is below this runs on one thread: the tiny model's (~5M parameters) decode
+# steps of up to 3 rows, no step of the small model's (~110M). Measured on the 2-core machine (benchmarks/
+# small_steps.py): both models' step times on one and two threads, quiet and beside a streaming client.
+SMALL_STEP_WORK = 16e6
+
+
+class SmallSteps:
+    """One thread for the steps of less than SMALL_STEP_WORK tokens x parameters, the count in force for the rest.
+    On with the governor (`adaptive_threads`), off where the thread count is pinned; PDSERVE_SMALL_STEP_THREADS=0
+    turns it off alone."""
+
+    def __init__(self, params: int, work: float = SMALL_STEP_WORK):
+        self.params, self.work = params, work
+
+    def small(self, num_tokens: int) -> bool:
+        return num_tokens * self.params < self.work
+
+    @staticmethod
+    @contextmanager
+    def one_thread():
+        """Run the block on one OpenMP thread of the calling thread, then give the count back (set it per step,
+        never per op: the first region after raising it wakes the other threads, ~40 us)."""
+        n = torch.get_num_threads()
+        if n <= 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+
+
+def small_steps(params: int) -> Optional[SmallSteps]:
+    """The small-step rule for a model of `params` parameters, unless PDSERVE_SMALL_STEP_THREADS=0."""
+    return None if os.environ.get("PDSERVE_SMALL_STEP_THREADS", "1") == "0" else SmallSteps(params)

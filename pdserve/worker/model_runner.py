@@ -78,6 +78,9 @@ class ModelRunner:
             if isinstance(self.model, CausalLM) else None
         self.graph_stats = GraphStats(device.type, captured=False,
                                       log_interval=comp.cudagraph_metrics_interval if comp.cudagraph_metrics else None)
+        # CPU, with the server's thread governor: small steps on one thread (worker/cpu_threads.py SmallSteps)
+        self.small_steps = None
+        self.num_params = sum(p.numel() for p in self.model.parameters())
 
     def capture_graphs(self, progress: bool = True) -> None:
         """CUDA: capture the FULL decode graphs, then the PIECEWISE segments, into one memory pool. CPU: nothing to
@@ -206,6 +209,12 @@ class ModelRunner:
         reads only what the engine thread leaves alone while it runs (params, prompt and output token ids). Sampled
         tokens are read back, so a step that samples has done its device work when this returns; one that does not
         is ordered before the next on the stream."""
+        if self.small_steps is not None and self.small_steps.small(step.desc.num_tokens):
+            with self.small_steps.one_thread():
+                return self._run(step)
+        return self._run(step)
+
+    def _run(self, step: PreparedStep) -> ModelRunnerOutput:
         rows, batch, mode, desc = step.rows, step.batch, step.mode, step.desc
         if mode == CUDAGraphMode.FULL:
             hidden_all = self.full_graphs.run(desc, batch.layout)

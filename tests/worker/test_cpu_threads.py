@@ -108,3 +108,63 @@ def test_off_where_the_count_is_not_its_to_choose(monkeypatch):
     monkeypatch.setenv("PDSERVE_ADAPTIVE_THREADS", "1")
     monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 1)
     assert adaptive_threads("cpu") is None
+
+
+def test_small_steps_are_gated_by_tokens_times_parameters(monkeypatch):
+    """The tiny model (~5M parameters) runs its steps of up to 3 tokens on one thread; the small model (~110M)
+    none; PDSERVE_SMALL_STEP_THREADS=0 turns the rule off."""
+    tiny, small = cpu_threads.SmallSteps(5_000_000), cpu_threads.SmallSteps(110_000_000)
+    assert [tiny.small(n) for n in (1, 2, 3, 4, 128)] == [True, True, True, False, False]
+    assert not small.small(1)
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_THREADS", "0")
+    assert cpu_threads.small_steps(5_000_000) is None
+    monkeypatch.delenv("PDSERVE_SMALL_STEP_THREADS")
+    assert cpu_threads.small_steps(5_000_000).params == 5_000_000
+
+
+def test_one_thread_gives_the_count_back_even_when_the_step_fails():
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError):
+            with cpu_threads.SmallSteps.one_thread():
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("the step failed")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_runner_runs_small_steps_on_one_thread_and_the_tokens_do_not_change(qwen3_tiny):
+    """With the rule on, the tiny model's one-row decode steps run on one thread and its prefill on two; greedy
+    output in float64 is the same as with the rule off."""
+    import torch
+
+    from pdserve import LLM, SamplingParams
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = {}
+        for on in (False, True):
+            llm = LLM(qwen3_tiny, dtype="float64", block_size=4, max_model_len=64)
+            runner = llm.engine.runner
+            runner.small_steps = cpu_threads.small_steps(runner.num_params) if on else None
+            seen = []
+            run = runner._run
+
+            def spy(step, run=run, seen=seen):
+                seen.append((step.desc.num_tokens, torch.get_num_threads()))
+                return run(step)
+            runner._run = spy
+            sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            outs[on] = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8, 9, 10, 11]], sp)]
+            assert torch.get_num_threads() == 2
+            if on:
+                assert seen[0][0] >= 7 and seen[0][1] == 2  # the prefill, padded to a captured size
+                assert [t for _, t in seen[1:]] == [1] * 5
+            else:
+                assert all(t == 2 for _, t in seen)
+        assert outs[True] == outs[False]
+    finally:
+        torch.set_num_threads(before)

@@ -80,7 +80,11 @@ class ModelRunner:
                                       log_interval=comp.cudagraph_metrics_interval if comp.cudagraph_metrics else None)
         # CPU, with the server's thread governor: small steps on one thread (worker/cpu_threads.py SmallSteps)
         self.small_steps = None
-        self.num_params = sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def num_params(self) -> int:
+        """The model's parameters (the small-step rule's weight of a token)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     def capture_graphs(self, progress: bool = True) -> None:
         """CUDA: capture the FULL decode graphs, then the PIECEWISE segments, into one memory pool. CPU: nothing to

@@ -127,9 +127,10 @@ def adaptive_threads(device_type: str, partner_pid: Optional[int] = None,
     return CpuThreads(torch.get_num_threads(), partner_pid=partner_pid, set_threads=set_threads)
 
 
-# A step whose tokens x model parameters is below this runs on one thread: the tiny model's (~5M parameters) decode
-# steps of up to 3 rows, no step of the small model's (~110M). Measured on the 2-core machine (benchmarks/
-# small_steps.py): both models' step times on one and two threads, quiet and beside a streaming client.
+# A step whose tokens x model parameters is below this runs on one thread: the tiny model's (4.5M parameters) decode
+# steps of up to 3 rows, no step of the small model's (116M). Chosen from step times on one and two threads, quiet
+# and in process on the 2-core machine (the tiny model ties at 1-2 rows, two threads win from 8 rows and on the
+# small model's one-row step); benchmarks/small_steps.py measures what it does served.
 SMALL_STEP_WORK = 16e6
 
 

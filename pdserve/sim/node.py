@@ -159,13 +159,8 @@ class SimNode:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
         req = Request(request_id, prompt_token_ids, params, frozenset(), arrival_time, max_tokens=output_len,
                       kv_transfer_params=kv_transfer_params)
-        first = (kv_transfer_params or {}).get("first_token") if (kv_transfer_params or {}).get(
-            "do_remote_prefill") else None
-        if first is not None:  # D: P's first token, taken as the engine's _take_first_token takes it
-            if first.get("key") == params.first_token_key():
-                req.append_output_token(first["id"])
-            else:  # drawn with other params: replayed here (never in a simulation: both sides use the trace's)
-                req.kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != "first_token"}
+        if (kv_transfer_params or {}).get("do_remote_prefill"):
+            _take_first_token(req, kv_transfer_params)
         return req
 
     def add(self, req: Request) -> None:
@@ -412,15 +407,9 @@ class SimNode:
             req = self.scheduler.requests.get(rid)
             if req is None or rid not in fin.done_recving:
                 continue
-            first = params.get("first_token")
-            if first is not None and first.get("key") != req.sampling_params.first_token_key():
-                params = {k: v for k, v in params.items() if k != "first_token"}  # replayed here
-                first = None
-            req.kv_transfer_params = params
-            if first is not None:
-                req.append_output_token(first["id"])
+            if _take_first_token(req, params):
                 req.num_new_tokens = 1
-                status = self.scheduler.check_stop(req, first["id"])
+                status = self.scheduler.check_stop(req, req.output_token_ids[0])
                 if status is not None:
                     self.scheduler.finish_request(rid, status)
         self.scheduler.process_transfers(fin)
@@ -480,6 +469,21 @@ class SimNode:
                 tok = self._random_token()
             return emitted + [tok]
         return emitted + [self._token(req, emitted)]
+
+
+def _take_first_token(req: Request, params: dict) -> bool:
+    """D: `params` become the request's, and P's first token in them its first output, as the engine's
+    `_take_first_token` takes it; True when taken. Drawn with other params it is dropped and replayed here (never
+    in a simulation: both sides use the trace's)."""
+    req.kv_transfer_params = params
+    first = params.get("first_token")
+    if first is None:
+        return False
+    if first.get("key") != req.sampling_params.first_token_key():
+        req.kv_transfer_params = {k: v for k, v in params.items() if k != "first_token"}
+        return False
+    req.append_output_token(first["id"])
+    return True
 
 
 def _shape(out: SchedulerOutput, mode: str, padded: int, num_tokens: int) -> StepShape:

@@ -46,23 +46,3 @@ def test_the_router_freezes_at_start(unfrozen):
         assert gc.get_freeze_count() > 10_000
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
-
-def test_a_server_whose_threads_are_its_own_runs_small_steps_on_one(monkeypatch, qwen3_tiny):
-    """With the thread governor on (no OMP_NUM_THREADS, PDSERVE_ADAPTIVE_THREADS not 0) the engine core turns the
-    small-step rule on (worker/cpu_threads.py SmallSteps); with the count pinned it stays off."""
-    import torch
-
-    from tests.serve.test_failure_paths_serving import server
-    before = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    try:
-        torch.set_num_threads(2)
-        for adaptive, on in (("1", True), ("0", False)):
-            monkeypatch.setenv("PDSERVE_ADAPTIVE_THREADS", adaptive)
-            with server(qwen3_tiny) as c:
-                runner = c.app_state.engine._backend.core.engine.runner
-                assert (runner.small_steps is not None) == on
-                assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-    finally:
-        torch.set_num_threads(before)
-        gc.unfreeze()

@@ -9,7 +9,6 @@ delegation to the roles is roles.py's, shared with NixlConnector.
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 from pdserve.transfer.base import ConnectorContext, FinishedTransfers
@@ -87,7 +86,7 @@ class TcpConnector(RoleConnector):
         if self.consumer is not None:
             self.consumer.wait_for_transfers(timeout)
         else:
-            time.sleep(timeout)
+            super().wait_for_transfers(timeout)
 
     # ---- both ----------------------------------------------------------------------------------------------
     def get_finished(self) -> FinishedTransfers:

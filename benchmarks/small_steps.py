@@ -4,11 +4,12 @@ feels it (issue 34).
     .venv/bin/python benchmarks/small_steps.py                 # tiny and small, 2 rounds, ~8 min on 2 cores
 
 Per model and round, two `pdserve serve` processes one after the other with their default thread handling (no
-OMP_NUM_THREADS: the governor, and with it the rule), one with `PDSERVE_SMALL_STEP_THREADS=0` (the rule off), in
-alternating order. Each gets (1) --sequential streamed requests one at a time, --pause apart (a lone stream: its
-inter-token gaps after the first, p50/p90/p99 and the share over 4 ms), then (2) `pdserve bench serve` with Poisson
-arrivals (--rate, --num-prompts, --input-len / --output-len): median TPOT and p99 ITL. Medians over rounds; writes
-benchmarks/results/small_steps.json. Run it on a quiet machine.
+OMP_NUM_THREADS: the governor; `--env OMP_NUM_THREADS=2` pins the count in both), one with
+`PDSERVE_SMALL_STEP_THREADS=0` (the rule off), in alternating order. Each gets (1) --sequential streamed requests
+one at a time, --pause apart (a lone stream: its inter-token gaps after the first, p50/p90/p99 and the share over
+4 ms), then (2) `pdserve bench serve` with Poisson arrivals (--rate, --num-prompts, --input-len / --output-len):
+median TPOT and p99 ITL. Medians over rounds; writes benchmarks/results/small_steps.json. Run it on a quiet
+machine.
 """
 from __future__ import annotations
 
@@ -74,8 +75,12 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=96)
     ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="Set in both servers' environment, e.g. OMP_NUM_THREADS=2 (the count pinned, as bench pd "
+                         "pins it); repeatable.")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "small_steps.json"))
     args = ap.parse_args()
+    env = dict(e.split("=", 1) for e in args.env)
     from pdserve.bench.launcher import Deployment, free_port
     from pdserve.model.make_model import ensure_model
     work = Path(tempfile.mkdtemp(prefix="small-steps-"))
@@ -87,7 +92,7 @@ def main() -> int:
                 dep = Deployment(f"{size}-{arm}-r{r}", work)
                 try:
                     url = dep.spawn("server", ["serve", model, "--log-level", "warning", "--max-model-len", "1024"],
-                                    free_port(), ARMS[arm])
+                                    free_port(), {**env, **ARMS[arm]})
                     dep.wait_healthy(300)
                     lone = lone_stream(url, Path(model).name, args.sequential, args.pause, 128, 32)
                     arrivals = poisson(url, model, args, work / f"{size}-{arm}-r{r}.json")

@@ -46,7 +46,7 @@ class EngineCore:
         eng = self.engine
         from pdserve.worker.cpu_threads import adaptive_threads, small_steps
         self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
-        if self.cpu_threads is not None:  # threads not pinned: small steps on one (SmallSteps)
+        if eng.device.type == "cpu":  # small steps on one thread, whoever set the count (SmallSteps)
             eng.runner.small_steps = small_steps(eng.runner.num_params)
         freeze_startup_heap()  # no later collection walks the model and engine (a full one took ~95 ms on a D)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,

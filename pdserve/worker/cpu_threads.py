@@ -136,8 +136,8 @@ SMALL_STEP_WORK = 16e6
 
 class SmallSteps:
     """One thread for the steps of less than SMALL_STEP_WORK tokens x parameters, the count in force for the rest.
-    On with the governor (`adaptive_threads`), off where the thread count is pinned; PDSERVE_SMALL_STEP_THREADS=0
-    turns it off alone."""
+    On in every CPU engine a server runs, the count set by the governor (`adaptive_threads`) or pinned by
+    OMP_NUM_THREADS (a cap the rule stays under); PDSERVE_SMALL_STEP_THREADS=0 turns it off."""
 
     def __init__(self, params: int, work: float = SMALL_STEP_WORK):
         self.params, self.work = params, work

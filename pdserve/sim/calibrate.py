@@ -31,6 +31,7 @@ less 1, per neighbour), what `pdserve sim --shared-host` applies to a step per o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -54,6 +55,11 @@ DELAY_MIN_CHUNKS = 50  # chunks a batch size needs for quantiles of its own (chu
 IDLE_GAPS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 IDLE_REPEATS = 5
 IDLE_WARM, IDLE_AFTER = 3, 2
+# Each grid batch's prefill is timed this many times more (`_prefills`), each step's median kept in place of the
+# grid's one timing of it: a prefill step shape is seen once per batch, and that one reading (the first replay of a
+# graph size, a cold path) came out up to 1.9x a repeat's (session 35: a 64-token prefill 6.2 ms once, 3.3 again).
+PREFILL_REPEATS = 3
+_PREFILL_IDS = itertools.count()  # the prefill pass's request ids, so its prompts are its own (and no cache hit)
 
 
 def _features(s: StepShape) -> list[float]:
@@ -76,17 +82,7 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
     kw.update(engine_kwargs or {})
     engine = LLMEngine(EngineConfig.from_kwargs(model, **kw))
     vocab = engine.vocab_size
-    seen: list = []
-    schedule, choose = engine.scheduler.schedule, engine.runner.choose_graph
-
-    def spy_schedule():
-        seen.append([schedule(), None])
-        return seen[-1][0]
-
-    def spy_choose(step_rows):
-        seen[-1][1] = choose(step_rows)
-        return seen[-1][1]
-    engine.scheduler.schedule, engine.runner.choose_graph = spy_schedule, spy_choose
+    seen = spy_steps(engine)
     samples: list[tuple[StepShape, float]] = []
     n = 0
     grid = [(0, 0)] + [(r, c) for r in rows for c in contexts]  # (0, 0): a warm-up batch, not kept
@@ -106,6 +102,9 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
                 samples.append((_shape(out, mode.value, desc.num_tokens, num_tokens), dt))
         if progress is not None and r:
             progress(f"{'eager' if eager else 'graphs'}: {r} rows x {c} tokens, {len(samples)} steps so far")
+    # the grid's steps with prompt tokens in them, timed once each, give way to the prefill pass's medians
+    samples = [(s, t) for s, t in samples if s.num_tokens == s.num_reqs] + \
+        _prefills(engine, grid[1:], vocab, seen, PREFILL_REPEATS)
     # the model's context, not the grid's: a profile serves any run of this model
     facts = {"max_model_len": min(engine.hf_config.get("max_position_embeddings", 4096), 4096),
              "device": engine.device.type, "vocab_size": vocab,
@@ -118,6 +117,52 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
                                           zip(facts["idle"]["gaps_s"], facts["idle"]["extra_s"])))
     engine.shutdown()
     return samples, facts
+
+
+def spy_steps(engine) -> list:
+    """What each step of `engine` scheduled and the dispatcher's choice for it, as [SchedulerOutput, choice]
+    entries appended to the list returned (the caller clears it)."""
+    seen: list = []
+    schedule, choose = engine.scheduler.schedule, engine.runner.choose_graph
+
+    def spy_schedule():
+        seen.append([schedule(), None])
+        return seen[-1][0]
+
+    def spy_choose(step_rows):
+        seen[-1][1] = choose(step_rows)
+        return seen[-1][1]
+    engine.scheduler.schedule, engine.runner.choose_graph = spy_schedule, spy_choose
+    return seen
+
+
+def _prefills(engine, grid: list[tuple[int, int]], vocab: int, seen: list, repeats: int,
+              ) -> list[tuple[StepShape, float]]:
+    """(shape, median seconds) of every step of each grid batch's prefill, the batch run `repeats` times with
+    prompts of their own (no prefix-cache hit) and one output token (so no decode row joins a step): the same
+    shapes each run, step by step. `seen`: the engine's spy record (measure's)."""
+    from pdserve.sampling_params import SamplingParams
+    out = []
+    for r, c in grid:
+        runs = []
+        for k in range(repeats):
+            for i in range(r):
+                tr = TraceRequest(f"cal-prefill-{next(_PREFILL_IDS)}", 0.0, c, 1)
+                engine.add_request(prompt_token_ids(tr, vocab, seed=3), SamplingParams(
+                    max_tokens=1, ignore_eos=True, temperature=0), request_id=tr.request_id)
+            steps = []
+            while engine.has_unfinished_requests():
+                seen.clear()
+                t0 = time.perf_counter()
+                engine.step()
+                dt = time.perf_counter() - t0
+                if seen and seen[-1][0].rows and seen[-1][1] is not None:
+                    step, (mode, desc, _, num_tokens) = seen[-1]
+                    steps.append((_shape(step, mode.value, desc.num_tokens, num_tokens), dt))
+            runs.append(steps)
+        for i in range(min(len(run) for run in runs)):
+            out.append((runs[0][i][0], statistics.median(run[i][1] for run in runs)))
+    return out
 
 
 def measure_idle(engine, context: int, decode_steps: int) -> dict:

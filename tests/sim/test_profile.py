@@ -398,3 +398,44 @@ def test_a_batch_size_gets_quantiles_of_its_own_from_exactly_delay_min_chunks():
     pooled = got["neighbour_chunk_delay_quantiles_s"]
     assert len(pooled) == DELAY_QUANTILES and pooled[0] == pytest.approx(0.001) and pooled[-1] == pytest.approx(0.002)
     assert _delay_fields({}, "") == {"chunk_delay_quantiles_s": [], "chunk_delay_by_rows": {}}
+
+
+@pytest.mark.timeout(120)
+def test_the_calibration_keeps_each_prefill_steps_median_over_repeats(qwen3_tiny_dir):
+    """A grid batch's prefill steps are timed PREFILL_REPEATS times and each step's median kept (calibrate.py
+    `_prefills`): one slow reading (here every step of the first run holds 0.2 s more, as a cold first replay is
+    slow) is not what the profile learns; and `measure` keeps those medians in place of the grid's one timing of
+    each prefill step, so no prefill shape is fitted twice."""
+    import time
+
+    from pdserve.config import EngineConfig
+    from pdserve.core.engine import LLMEngine
+    from pdserve.sim.calibrate import PREFILL_REPEATS, _prefills, measure, spy_steps
+    assert PREFILL_REPEATS == 3
+    engine = LLMEngine(EngineConfig.from_kwargs(qwen3_tiny_dir, device="cpu", max_model_len=64,
+                                                max_num_batched_tokens=32, max_num_seqs=4))
+    seen, step, add = spy_steps(engine), engine.step, engine.add_request
+    adds, first_run = [0], [0]
+
+    def counting_add(*a, **kw):
+        adds[0] += 1
+        return add(*a, **kw)
+
+    def first_run_slow():
+        out = step()
+        if adds[0] <= first_run[0]:  # the first run's requests only
+            time.sleep(0.2)
+        return out
+    engine.add_request, engine.step = counting_add, first_run_slow
+    shapes = []
+    for r, c in [(1, 9), (2, 24), (1, 33)]:  # 33 tokens: two chunks of a 32-token budget; 2 x 24: 32 + 16
+        adds[0], first_run[0] = 0, r
+        got = _prefills(engine, [(r, c)], engine.vocab_size, seen, PREFILL_REPEATS)
+        assert all(t < 0.1 for _, t in got), got
+        shapes += [(s.num_tokens, s.num_reqs) for s, _ in got]
+    assert shapes == [(9, 1), (32, 2), (16, 1), (32, 1), (1, 1)], shapes
+    engine.shutdown()
+
+    samples, _ = measure(qwen3_tiny_dir, [1, 2], [8, 24], 3, eager=True)
+    prefill = [(s.num_tokens, s.num_reqs) for s, _ in samples if s.num_tokens > s.num_reqs]
+    assert sorted(prefill) == sorted(set(prefill)) and len(prefill) >= 4, prefill

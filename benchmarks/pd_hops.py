@@ -8,6 +8,8 @@ all on the tiny model. Sequential requests (one at a time, so no queue), the kin
               signing, the first token's params);
   router      a streamed completion through the router: TTFT (the client's first token is P's) and the gap to the
               second token (D's first: the hand-off, D's admission, the KV pull, D's step);
+  router_early  the same through a second router on the same P and D with the router's default, early decode (D
+              asked with P, its admission beside P's prefill): TTFT and first gap;
   d_direct    what the router does, from this client: P's answer with the first token, then D's stream with P's
               params (the time to D's first chunk, which repeats P's token, and to its second, D's own first);
   coll_gap    the collocated stream's gap between its first and second token (one decode step at idle).
@@ -79,6 +81,16 @@ def cpu_per_request(dep: Deployment, send, n: int) -> dict[str, float]:
     return {k: (process_cpu_seconds(pid) - before[k]) / n * 1e3 for k, pid in pids.items()}
 
 
+def ttft_split(client: httpx.Client, router: str) -> dict[str, float]:
+    """The router's TTFT split so far (`pdserve_router_ttft_seconds{stage}`): each stage's mean in ms."""
+    sums, counts = {}, {}
+    for line in client.get(router + "/metrics").text.splitlines():
+        if line.startswith("pdserve_router_ttft_seconds_sum") or line.startswith("pdserve_router_ttft_seconds_count"):
+            stage = line.split('stage="')[1].split('"')[0]
+            (sums if "_sum" in line else counts)[stage] = float(line.split()[-1])
+    return {k: 1e3 * v / counts[k] for k, v in sums.items() if counts.get(k)}
+
+
 def pct(v: list[float], q: float) -> float:
     v = sorted(v)
     return v[min(len(v) - 1, round(q * (len(v) - 1)))]
@@ -116,26 +128,30 @@ def main() -> int:
         router = dep.spawn("router", ["router", "--prefill", p, "--decode", d, "--pd-first-token", "prefill",
                                       "--no-pd-early-decode", "--log-level", "warning"], free_port(), env,
                            program=profiled)
+        early = dep.spawn("router_early", ["router", "--prefill", p, "--decode", d, "--pd-first-token", "prefill",
+                                           "--log-level", "warning"], free_port(), env)
         dep.wait_healthy(180)
         rng = random.Random(0)
         base = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
         res: dict[str, list[float]] = {k: [] for k in (
-            "collocated", "coll_gap", "p_plain", "p_pd", "router", "router_gap", "d_direct_first", "d_direct_gap")}
+            "collocated", "coll_gap", "p_plain", "p_pd", "router", "router_gap", "router_early", "router_early_gap",
+            "d_direct_first", "d_direct_gap")}
         coalesced = 0
         with httpx.Client(timeout=60) as c:
             for i in range(args.requests + 3):  # 3 warm-up rounds, not kept
                 keep = i >= 3
-                prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(5)]
+                prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(6)]
                 t = stream(c, coll, {**base, "prompt": prompts[0]})
                 a, _ = whole(c, p, {**base, "prompt": prompts[1], "max_tokens": 1})
                 b, _ = whole(c, p, {**base, "prompt": prompts[2], "max_tokens": 1, "stream": False,
                                     "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
                 r = stream(c, router, {**base, "prompt": prompts[3]})
+                e = stream(c, early, {**base, "prompt": prompts[5]})
                 _, answer = whole(c, p, {**base, "prompt": prompts[4], "stream": False,
                                          "kv_transfer_params": {"do_remote_decode": True, "first_token": True}})
                 dd = stream(c, d, {**base, "prompt": prompts[4], "kv_transfer_params": answer["kv_transfer_params"]})
-                if keep and min(len(t), len(r), len(dd)) < 2:
+                if keep and min(len(t), len(r), len(e), len(dd)) < 2:
                     # the server sent two steps' tokens in one chunk (its loop read them together): no gap to read
                     coalesced += 1
                 elif keep:
@@ -145,9 +161,12 @@ def main() -> int:
                     res["p_pd"].append(b)
                     res["router"].append(r[0])
                     res["router_gap"].append(r[1] - r[0])
+                    res["router_early"].append(e[0])
+                    res["router_early_gap"].append(e[1] - e[0])
                     res["d_direct_first"].append(dd[0])
                     res["d_direct_gap"].append(dd[1] - dd[0])
                 time.sleep(0.05)
+            splits = {"router": ttft_split(c, router), "router_early": ttft_split(c, early)}
             cpu = cpu_per_request(dep, lambda: stream(c, router, {**base, "prompt": [
                 rng.randrange(3, 8000) for _ in range(args.prompt_len)]}), args.cpu_requests)
     finally:
@@ -157,9 +176,13 @@ def main() -> int:
         print(f"{k:>14}: median {s['median_ms']:6.1f} ms  p90 {s['p90_ms']:6.1f} ms")
     if coalesced:
         print(f"{coalesced} of {args.requests} rounds left out: a stream carried two tokens in its first chunk")
+    coll = summary["collocated"]["median_ms"]
+    for k in ("router", "router_early"):
+        print(f"{k:>14}: TTFT {summary[k]['median_ms'] / coll:.2f}x collocated's; the router's split (means, ms): " +
+              ", ".join(f"{s} {v:.2f}" for s, v in splits[k].items()))
     for k, ms in cpu.items():
         print(f"{k:>14}: {ms:6.2f} ms of CPU per router request")
-    write_result(args.out, args, summary=summary, cpu_ms_per_router_request=cpu, raw_s=res,
+    write_result(args.out, args, summary=summary, ttft_split_ms=splits, cpu_ms_per_router_request=cpu, raw_s=res,
                  rounds_left_out=coalesced)
     return 0
 

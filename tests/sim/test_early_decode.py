@@ -128,3 +128,31 @@ def test_an_await_that_begins_after_ps_lease_ended_is_prefilled_on_d(linear_prof
                                            on_step, max_num_seqs=1)
     assert fabric.expired_leases > 0 and len(d_prefills) == fabric.expired_leases
     assert set(decode[0].connector.load_times) == {t.request_id for t in trace} - d_prefills
+
+
+@pytest.mark.parametrize("blocks", [9, 10])
+def test_awaits_into_a_dry_pool_wait_and_preempted_imports_finish_whole(linear_profile, blocks):
+    """D's pool holds little more than one request (9 or 10 blocks of 16, max_model_len 127: the null block, then 8
+    or 9 usable; a request of 60 + 8 tokens needs 4 blocks at its await and 5 by its end) and six requests come
+    together: an await that finds too few free blocks waits at D's queue head with none allocated
+    (Scheduler._await_waits) while the pool is short of its 4; once two imported requests run, their growth runs the
+    pool dry and D preempts one, as vLLM's scheduler does (an await takes blocks only while the running rows' next
+    slots stay covered, not their whole growth); the preempted request recomputes its prompt and P's token on D, and
+    every request completes with its length, both pools whole after (assert_done_and_whole)."""
+    dry = []
+
+    def on_step(node, rec):
+        if node.name == "decode0":
+            s, kv = decode[0].scheduler, decode[0].kv
+            if s.waiting and s.running and kv.num_free_blocks() < 4:
+                dry.append(kv.num_free_blocks())
+    trace = [TraceRequest(f"r{i}", 0.001 * i, 60, 8) for i in range(6)]
+    prefill, decode, fabric = build_nodes(parse_deployment("1p1d"), cfg(num_gpu_blocks_override=blocks,
+                                                                         max_model_len=127),
+                                          linear_profile, TransferModel(1e9, 0.001), 0.0, 0)
+    sim = Simulator(prefill, decode, "round-robin", fabric, on_step, "prefill", early_decode=True)
+    results, _ = sim.run(trace, [prompt_token_ids(t, 32000) for t in trace])
+    assert_done_and_whole(results, trace, prefill, decode)
+    assert [r.output_tokens for r in results] == [8] * 6
+    assert dry and decode[0].scheduler.num_preemptions > 0
+    assert prefill[0].connector.open_leases == 0 and not fabric.awaits and not fabric.board

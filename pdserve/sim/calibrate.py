@@ -74,7 +74,6 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
     from pdserve.config import EngineConfig
     from pdserve.core.engine import LLMEngine
     from pdserve.model.hf_config import model_dims
-    from pdserve.sampling_params import SamplingParams
     from pdserve.worker.model_runner import kv_bytes_per_block
     # capture sizes up to the largest prefill step of the grid, so mixed steps ride PIECEWISE where graphs are on
     kw = dict(max_num_seqs=max(rows), max_model_len=max(contexts) + decode_steps + 1, device="cpu",
@@ -87,24 +86,15 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
     n = 0
     grid = [(0, 0)] + [(r, c) for r in rows for c in contexts]  # (0, 0): a warm-up batch, not kept
     for r, c in grid:
-        for i in range(max(r, 1)):
-            tr = TraceRequest(f"cal-{n}", 0.0, c or 8, decode_steps)
-            n += 1
-            engine.add_request(prompt_token_ids(tr, vocab, seed=1), SamplingParams(
-                max_tokens=decode_steps, ignore_eos=True, temperature=0), request_id=tr.request_id)
-        while engine.has_unfinished_requests():
-            seen.clear()
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-            if r and seen and seen[-1][0].rows and seen[-1][1] is not None:
-                out, (mode, desc, _, num_tokens) = seen[-1]
-                samples.append((_shape(out, mode.value, desc.num_tokens, num_tokens), dt))
+        steps = _run_batch(engine, seen, [f"cal-{n + i}" for i in range(max(r, 1))], c or 8, decode_steps, seed=1)
+        n += max(r, 1)
+        if r:
+            samples += steps
         if progress is not None and r:
             progress(f"{'eager' if eager else 'graphs'}: {r} rows x {c} tokens, {len(samples)} steps so far")
     # the grid's steps with prompt tokens in them, timed once each, give way to the prefill pass's medians
     samples = [(s, t) for s, t in samples if s.num_tokens == s.num_reqs] + \
-        _prefills(engine, grid[1:], vocab, seen, PREFILL_REPEATS)
+        _prefills(engine, grid[1:], seen, PREFILL_REPEATS)
     # the model's context, not the grid's: a profile serves any run of this model
     facts = {"max_model_len": min(engine.hf_config.get("max_position_embeddings", 4096), 4096),
              "device": engine.device.type, "vocab_size": vocab,
@@ -117,6 +107,28 @@ def measure(model: str, rows: list[int], contexts: list[int], decode_steps: int,
                                           zip(facts["idle"]["gaps_s"], facts["idle"]["extra_s"])))
     engine.shutdown()
     return samples, facts
+
+
+def _run_batch(engine, seen: list, ids: list[str], prompt_len: int, max_tokens: int, seed: int,
+               ) -> list[tuple[StepShape, float]]:
+    """Greedy requests `ids` of `prompt_len` tokens each (prompt_token_ids by id and `seed`), added together and run
+    to the end: (shape, seconds) of every step that ran rows. `seen`: the engine's spy record (spy_steps)."""
+    from pdserve.sampling_params import SamplingParams
+    vocab = engine.vocab_size
+    for rid in ids:
+        tr = TraceRequest(rid, 0.0, prompt_len, max_tokens)
+        engine.add_request(prompt_token_ids(tr, vocab, seed=seed), SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0), request_id=rid)
+    steps = []
+    while engine.has_unfinished_requests():
+        seen.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if seen and seen[-1][0].rows and seen[-1][1] is not None:
+            out, (mode, desc, _, num_tokens) = seen[-1]
+            steps.append((_shape(out, mode.value, desc.num_tokens, num_tokens), dt))
+    return steps
 
 
 def spy_steps(engine) -> list:
@@ -136,30 +148,14 @@ def spy_steps(engine) -> list:
     return seen
 
 
-def _prefills(engine, grid: list[tuple[int, int]], vocab: int, seen: list, repeats: int,
-              ) -> list[tuple[StepShape, float]]:
+def _prefills(engine, grid: list[tuple[int, int]], seen: list, repeats: int) -> list[tuple[StepShape, float]]:
     """(shape, median seconds) of every step of each grid batch's prefill, the batch run `repeats` times with
     prompts of their own (no prefix-cache hit) and one output token (so no decode row joins a step): the same
     shapes each run, step by step. `seen`: the engine's spy record (measure's)."""
-    from pdserve.sampling_params import SamplingParams
     out = []
     for r, c in grid:
-        runs = []
-        for k in range(repeats):
-            for i in range(r):
-                tr = TraceRequest(f"cal-prefill-{next(_PREFILL_IDS)}", 0.0, c, 1)
-                engine.add_request(prompt_token_ids(tr, vocab, seed=3), SamplingParams(
-                    max_tokens=1, ignore_eos=True, temperature=0), request_id=tr.request_id)
-            steps = []
-            while engine.has_unfinished_requests():
-                seen.clear()
-                t0 = time.perf_counter()
-                engine.step()
-                dt = time.perf_counter() - t0
-                if seen and seen[-1][0].rows and seen[-1][1] is not None:
-                    step, (mode, desc, _, num_tokens) = seen[-1]
-                    steps.append((_shape(step, mode.value, desc.num_tokens, num_tokens), dt))
-            runs.append(steps)
+        runs = [_run_batch(engine, seen, [f"cal-prefill-{next(_PREFILL_IDS)}" for _ in range(r)], c, 1, seed=3)
+                for _ in range(repeats)]
         for i in range(min(len(run) for run in runs)):
             out.append((runs[0][i][0], statistics.median(run[i][1] for run in runs)))
     return out

@@ -19,7 +19,8 @@ step is 1.3x faster on two threads and keeps them.
 (/proc/stat), subtracts its own process's (and the server process's, which shares its work) and so learns what the
 rest of the machine used. Set OMP_NUM_THREADS to fix the count (or PDSERVE_ADAPTIVE_THREADS=0 to keep torch's),
 and this is off: a GEMM's float32 rounding can change with its thread count, so runs that must repeat bit for bit
-(tests comparing two runs) fix it.
+(tests comparing two runs) fix it. `SmallSteps` stays on under a fixed count: it picks one thread by the step's
+tokens alone, so such a run still repeats.
 """
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class ModelRunner:
             if isinstance(self.model, CausalLM) else None
         self.graph_stats = GraphStats(device.type, captured=False,
                                       log_interval=comp.cudagraph_metrics_interval if comp.cudagraph_metrics else None)
-        # CPU, with the server's thread governor: small steps on one thread (worker/cpu_threads.py SmallSteps)
+        # CPU, in a server's engine: small steps on one thread (worker/cpu_threads.py SmallSteps)
         self.small_steps = None
 
     @property

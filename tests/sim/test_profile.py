@@ -430,7 +430,7 @@ def test_the_calibration_keeps_each_prefill_steps_median_over_repeats(qwen3_tiny
     shapes = []
     for r, c in [(1, 9), (2, 24), (1, 33)]:  # 33 tokens: two chunks of a 32-token budget; 2 x 24: 32 + 16
         adds[0], first_run[0] = 0, r
-        got = _prefills(engine, [(r, c)], engine.vocab_size, seen, PREFILL_REPEATS)
+        got = _prefills(engine, [(r, c)], seen, PREFILL_REPEATS)
         assert all(t < 0.1 for _, t in got), got
         shapes += [(s.num_tokens, s.num_reqs) for s, _ in got]
     assert shapes == [(9, 1), (32, 2), (16, 1), (32, 1), (1, 1)], shapes

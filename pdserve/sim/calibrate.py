@@ -24,6 +24,10 @@ prefill step, is what a request spends outside the steps: `request_latency_s` is
 How late each chunk of a decode run reaches the client against the run's pace (a quadratic fitted to its chunks:
 steps slow as the context grows), past the stream's median chunk, gives `chunk_delay_quantiles_s`, the host's stalls
 as the client sees them, and per batch size `chunk_delay_by_rows`.
+Then, per context, ARRIVAL_PROBES lone streams each see a request of that context arrive halfway through: the
+stream's gap that ends with its chunk nearest the newcomer's first chunk, less the served prefill step of that
+context, gives `arrival_delay_s` (the median, >= 0): what a step that admits and answers a newcomer costs the other
+streams beyond its time (the engine takes the request in between steps, the server answers it first).
 `--served-neighbours N` starts N more such servers and runs the grid again while each of them decodes batches back
 to back: each batch's decode run beside them, against the same run alone, gives `neighbour_scale` (the median ratio
 less 1, per neighbour), what `pdserve sim --shared-host` applies to a step per other node mid-step on the machine.
@@ -49,6 +53,7 @@ from pdserve.sim.trace import TraceRequest, prompt_token_ids
 
 FEATURES = ("per_token_s", "per_row_s", "per_context_token_s")
 LONE_PROBES = 4  # lone requests per context after the served grid, for the request latency's median
+ARRIVAL_PROBES = 4  # streams per context that see a newcomer arrive (arrival_delay_s, its median)
 DELAY_QUANTILES = 101  # chunk_delay_quantiles_s: 1% apart (the most a profile takes)
 DELAY_MIN_CHUNKS = 50  # chunks a batch size needs for quantiles of its own (chunk_delay_by_rows)
 # the idle section (measure_idle): the pauses probed, each this many times, around these steady and timed steps
@@ -270,6 +275,51 @@ async def _batches(url: str, model_name: str, grid: list[tuple[int, int]], decod
 
 
 Batches = list[tuple[int, int, float, list[list[float]]]]  # (rows, context, send time, each stream's chunk times)
+Arrivals = list[tuple[int, list[float], float]]  # (the newcomer's context, the stream's chunk times, its first chunk)
+
+
+async def _arrivals(url: str, model_name: str, contexts: list[int], decode_steps: int, vocab: int,
+                    progress: Optional[Callable[[str], None]]) -> Arrivals:
+    """ARRIVAL_PROBES lone streams per context (the shortest context's prompt, `decode_steps` tokens), each joined
+    by a one-token request of that context once it has streamed half its chunks."""
+    import aiohttp
+    out, n = [], itertools.count()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for c in [c for _ in range(ARRIVAL_PROBES) for c in contexts]:
+            times: list[float] = []
+
+            async def stream(body: dict) -> None:
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"the served calibration's server answered {r.status}")
+                    async for line in r.content:
+                        if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                            times.append(time.perf_counter())
+
+            body = _body(model_name, TraceRequest(f"arrival-stream-{next(n)}", 0.0, min(contexts), decode_steps),
+                         vocab, seed=4)
+            task = asyncio.ensure_future(stream(body))
+            while len(times) < decode_steps // 2 and not task.done():
+                await asyncio.sleep(0.0002)
+            first = (await _stream(session, url, _body(model_name, TraceRequest(f"arrival-{next(n)}", 0.0, c, 1),
+                                                       vocab, seed=5)))[0]
+            await task
+            out.append((c, times, first))
+        if progress is not None:
+            progress(f"served: {len(out)} arrivals into a stream")
+    return out
+
+
+def arrival_delays(arrivals: Arrivals, prefill_s: Callable[[int], Optional[float]]) -> list[float]:
+    """Per probe, the stream's gap that ends with its chunk nearest the newcomer's first chunk (the step that made
+    both), less `prefill_s(context)`, the served step of that prefill (None: no shape known, probe left out)."""
+    out = []
+    for c, times, first in arrivals:
+        k = min(range(len(times)), key=lambda i: abs(times[i] - first), default=0)
+        step = prefill_s(c)
+        if k >= 1 and step is not None:
+            out.append(times[k] - times[k - 1] - step)
+    return out
 
 
 async def _beside(url: str, neighbours: list[str], model_name: str, grid: list[tuple[int, int]], decode_steps: int,
@@ -299,11 +349,11 @@ async def _beside(url: str, neighbours: list[str], model_name: str, grid: list[t
 
 def measure_served(model: str, rows: list[int], contexts: list[int], decode_steps: int, vocab: int,
                    progress: Optional[Callable[[str], None]] = None, neighbours: int = 0,
-                   repeats: int = 1) -> tuple[Batches, Batches]:
+                   repeats: int = 1) -> tuple[Batches, Batches, Arrivals]:
     """The grid's batches through a real `pdserve serve` of `model` (started here, stopped at the end) with the
     engine settings `measure` used; OMP_NUM_THREADS as this process has it. With `neighbours`, that many more such
     servers start, and the grid runs again while they decode back to back (`_beside`): (the lone server's batches,
-    its batches beside the neighbours; [] without)."""
+    its batches beside the neighbours ([] without), its arrival probes (`_arrivals`))."""
     from pdserve.bench.launcher import Deployment, free_port
     args = ["serve", model, "--log-level", "warning", "--max-model-len", str(max(contexts) + decode_steps + 1),
             "--max-num-seqs", str(max(rows)), "--max-num-batched-tokens", str(max(8, max(rows) * max(contexts))),
@@ -323,13 +373,14 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
         grid += [(1, c) for _ in range(LONE_PROBES) for c in contexts]
         name = Path(model).name
         lone = asyncio.run(_batches(urls[0], name, grid, decode_steps, vocab, progress))[1:]
+        arrivals = asyncio.run(_arrivals(urls[0], name, contexts, decode_steps, vocab, progress))
         beside = []
         if neighbours:
             busy_rows = sorted(rows)[len(rows) // 2]
             beside = asyncio.run(_beside(urls[0], urls[1:], name, grid, decode_steps, vocab, busy_rows,
                                          min(contexts), progress))[1:]
         measured = True
-        return lone, beside
+        return lone, beside, arrivals
     finally:
         dep.stop()
         if measured:  # the servers' logs are kept only where a failure's message names them
@@ -337,12 +388,14 @@ def measure_served(model: str, rows: list[int], contexts: list[int], decode_step
 
 
 def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: Callable[[StepShape], float],
-               beside: Optional[Batches] = None, neighbours: int = 1, idle: Idle = Idle()) -> tuple[dict, dict]:
+               beside: Optional[Batches] = None, neighbours: int = 1, idle: Idle = Idle(),
+               arrivals: Optional[Arrivals] = None) -> tuple[dict, dict]:
     """(the profile's `served` section, its fit report) from the served batches; `bare`: the bare steps measured
     with the same engine settings (a batch's decode and prefill step shapes are read from them), `predict`: the
     bare profile; `beside`: the same batches run beside `neighbours` other servers decoding back to back, which fits
     `neighbour_scale`; `idle`: the profile's idle section, whose extra a lone request's prefill paid after the
-    server idled (the simulator adds it apart, so it is taken out of the request latency)."""
+    server idled (the simulator adds it apart, so it is taken out of the request latency); `arrivals`: the arrival
+    probes, which fit `arrival_delay_s`."""
     gaps, firsts, delays = _decode_runs(batches, bare)
     if len(gaps) < 2:
         raise ValueError("the served batches gave too few decode runs to fit: widen the grid (--rows, "
@@ -368,10 +421,15 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     # reading 1 or 4 (the small model at 1 thread: p99 29 ms against 17 and 11), and the simulator draws by the rows
     # of the chunk's step
     served.update(_delay_fields(delays, ""))
+    prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
+    extra = arrival_delays(arrivals or [], lambda c: scale * predict(prefill_shape[c]) + overhead
+                           if c in prefill_shape else None)
+    if extra:
+        served["arrival_delay_s"] = max(0.0, float(statistics.median(extra)))
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
               "p90_rel_error": float(np.percentile(rel, 90)), "first_chunks": len(firsts),
               "request_latency_s_with_idle_extra": whole,  # the request latency with the idle extra left in
-              "chunks": sum(len(d) for d in delays.values())}
+              "chunks": sum(len(d) for d in delays.values()), "arrival_probes": len(extra)}
     if beside:
         # the same batches' decode runs with `neighbours` other servers busy throughout: how much longer a step
         # takes per busy neighbour
@@ -494,9 +552,9 @@ def calibrate(model: str, rows: list[int], contexts: list[int], decode_steps: in
         d["idle"] = idle
     bare = profile_from_dict(d)  # what we write must load
     if served:
-        batches, beside = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"], progress,
-                                         neighbours, served_repeats)
+        batches, beside, arrivals = measure_served(model, rows, contexts, decode_steps, facts["vocab_size"],
+                                                   progress, neighbours, served_repeats)
         d["served"], report["served"] = fit_served(batches, graphs, bare.bare_step_time, beside, neighbours,
-                                                   bare.idle)
+                                                   bare.idle, arrivals)
         profile_from_dict(d)
     return d

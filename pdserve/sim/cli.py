@@ -273,8 +273,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served", action="store_true",
                    help="Also run the grid through a real `pdserve serve` (started and stopped here, with this "
                         "process's OMP_NUM_THREADS) and fit what serving adds: served decode steps as scale x the "
-                        "bare step + overhead, and each request's latency outside the steps (the profile's `served` "
-                        "section; needs 1 in --rows).")
+                        "bare step + overhead, each request's latency outside the steps, how late its chunks come, "
+                        "and what a newcomer's arrival costs a running stream beyond its prefill step (the profile's "
+                        "`served` section; needs 1 in --rows).")
     p.add_argument("--served-repeats", type=int, default=3, metavar="R",
                    help="With --served: run the served grid R times; each batch's decode run and each lone "
                         "request's first chunk are fitted as the median over them (default: 3).")

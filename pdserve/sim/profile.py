@@ -149,6 +149,9 @@ class Served:
     # the same measured beside a busy neighbour (`--served-neighbours`, served.neighbour_chunk_delay_*), drawn for
     # every chunk where several nodes share the host (`--shared-host`); none: the lone ones stand in
     neighbour_chunk_delays: ChunkDelays = ChunkDelays()
+    # how much later the other rows' chunks of a step that gave a request its first token reach their clients than
+    # the step's time says (served.arrival_delay_s: the newcomer's admission between steps, its first output)
+    arrival_delay_s: float = 0.0
 
     def step(self, bare_s: float) -> float:
         return self.step_scale * bare_s + self.step_overhead_s
@@ -166,11 +169,12 @@ class Served:
         sec = _section(d, "served")
         _only(sec, ("step_scale", "step_overhead_s", "request_latency_s", "neighbour_scale",
                     "chunk_delay_quantiles_s", "chunk_delay_by_rows", "neighbour_chunk_delay_quantiles_s",
-                    "neighbour_chunk_delay_by_rows"), "served.")
+                    "neighbour_chunk_delay_by_rows", "arrival_delay_s"), "served.")
         return cls(_number(sec, "step_scale", "served.", positive=True) if "step_scale" in sec else 1.0,
                    *(_number(sec, k, "served.") if k in sec else 0.0
                      for k in ("step_overhead_s", "request_latency_s", "neighbour_scale")),
-                   ChunkDelays.from_section(sec, ""), ChunkDelays.from_section(sec, "neighbour_"))
+                   ChunkDelays.from_section(sec, ""), ChunkDelays.from_section(sec, "neighbour_"),
+                   _number(sec, "arrival_delay_s", "served.") if "arrival_delay_s" in sec else 0.0)
 
 
 def _by_rows(by_rows, where: str) -> tuple:

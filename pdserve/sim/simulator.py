@@ -370,6 +370,10 @@ class Simulator:
                     view.p_scheduled = rec.start
                 elif not is_p and view.d_scheduled is None:
                     view.d_scheduled = rec.start
+        # a step that gave a request its first token: the other rows' chunks reach their clients that much later
+        # (served.arrival_delay_s; a leap never holds such a step)
+        newcomer = node.profile.served.arrival_delay_s if any(r.num_output_tokens == n for r, n in rec.emitted) \
+            else 0.0
         for req, n in rec.emitted:  # (_took_leap records a leap's steps the same way: keep the two alike)
             view = self.owner.get((node.name, req.request_id))
             if view is None:
@@ -379,7 +383,8 @@ class Simulator:
             # P's first token goes to the client at once (its way back through the router is not modelled: the hop
             # is counted on sends)
             if (not is_p or self.first_from_p) and n:
-                view.chunks.append((rec.end, n, len(rec.rows)))
+                late = newcomer if req.num_output_tokens != n else 0.0
+                view.chunks.append((rec.end + late, n, len(rec.rows)))
             if req.is_finished:
                 self._finished(node, req, view, rec.end, is_p)
         self._after_step(node, t, rec.end)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pdserve.sim.calibrate import LONE_PROBES, calibrate, fit, fit_served
+from pdserve.sim.calibrate import ARRIVAL_PROBES, LONE_PROBES, calibrate, fit, fit_served
 from pdserve.sim.profile import ProfileError, StepShape, load_profile, profile_from_dict
 
 from tests.sim.conftest import LINEAR
@@ -139,9 +139,13 @@ def test_a_served_section_scales_the_step_and_is_checked_by_name():
     late = profile_from_dict({**LINEAR, "served": {"chunk_delay_quantiles_s": [0, 0.001, 0.011]}}).served
     assert [late.chunk_delay(u) for u in (0.0, 0.25, 0.5, 0.75)] == pytest.approx([0, 0.0005, 0.001, 0.006])
     assert profile_from_dict({**LINEAR, "served": {"neighbour_scale": 0.75}}).served.neighbour_scale == 0.75
+    assert p.served.arrival_delay_s == 0.0
+    assert profile_from_dict({**LINEAR, "served": {"arrival_delay_s": 0.002}}).served.arrival_delay_s == 0.002
     for field, value, named in (("step_scale", 0, "served.step_scale: must be a number > 0"),
                                 ("request_latency_s", -1, "served.request_latency_s: must be a number >= 0"),
                                 ("neighbour_scale", -0.1, "served.neighbour_scale: must be a number >= 0"),
+                                ("arrival_delay_s", -0.001, "served.arrival_delay_s: must be a number >= 0"),
+                                ("arrival_delay_s", "1ms", "served.arrival_delay_s: must be a number >= 0"),
                                 ("chunk_delay_quantiles_s", [0.002, 0.001], "must not decrease"),
                                 ("chunk_delay_quantiles_s", [0, -1], "served.chunk_delay_quantiles_s[1]: must be a "
                                                                     "number >= 0"),
@@ -213,6 +217,37 @@ def test_fit_served_takes_the_idle_extra_out_of_the_request_latency():
         pytest.approx(0.005 + cold, rel=0.02)
 
 
+def test_fit_served_reads_what_a_newcomer_costs_a_stream_beyond_its_prefill_step():
+    """Arrival probes made by a known rule: a stream's 2 ms gaps, except the one ending with the chunk of the step
+    that also answered the newcomer, which takes that context's served prefill step plus 1.5 ms (or, on one probe
+    of five, 6 ms: the median does not move). The newcomer's first chunk reaches the client just before or just
+    after the stream's chunk of that step: the same gap either way. A context the bare grid never prefilled is left
+    out, and a probe that ran faster than its prefill step counts as 0 delay, never a gain."""
+    from pdserve.sim.calibrate import arrival_delays
+    bare_p = profile_from_dict(LINEAR)
+    bare = [(StepShape("FULL", r, r, r, r * 65, r * 65), 0.0) for r in (1, 4)] + \
+        [(StepShape("PIECEWISE", c, c, 1, c, c), 0.0) for c in (64, 200)]
+    rule = lambda s: 1.4 * bare_p.bare_step_time(s) + 0.0007  # noqa: E731
+    prefill = {c: rule(s) for s, _ in bare for c in (s.num_tokens,) if s.num_reqs == 1 and s.num_tokens > 1}
+
+    def probe(c, extra, before):
+        step = prefill.get(c, 0.005) + extra
+        times = [1.0 + 0.002 * i for i in range(9)]
+        times += [times[-1] + step + 0.002 * i for i in (0, 1, 2, 3)]
+        return c, times, times[9] + (-0.0003 if before else 0.0004)
+
+    probes = [probe(64, 0.0015, True), probe(200, 0.0015, False), probe(64, 0.006, False),
+              probe(200, 0.0015, True), probe(64, 0.0015, False), probe(33, 0.009, False)]
+    served, report = fit_served(synthetic_batches(rule), bare, bare_p.bare_step_time, arrivals=probes)
+    assert served["arrival_delay_s"] == pytest.approx(0.0015, rel=0.02)
+    assert report["arrival_probes"] == 5  # the 33-token one has no prefill shape
+    got = arrival_delays(probes, lambda c: prefill.get(c))
+    assert sorted(got) == pytest.approx(sorted([0.0015, 0.0015, 0.006, 0.0015, 0.0015]), rel=0.02)
+    fast = [probe(64, -0.001, False)] * 3
+    assert fit_served(synthetic_batches(rule), bare, bare_p.bare_step_time, arrivals=fast)[0]["arrival_delay_s"] == 0
+    assert "arrival_delay_s" not in fit_served(synthetic_batches(rule), bare, bare_p.bare_step_time)[0]
+
+
 @pytest.mark.parametrize("neighbours", [1, 2])
 def test_fit_served_reads_the_slowdown_beside_busy_neighbours(neighbours):
     """The same synthetic batches run 1.6x slower beside `neighbours` busy servers: neighbour_scale is the ratio
@@ -278,6 +313,9 @@ def test_a_served_calibration_fits_from_a_real_server(qwen3_tiny_dir, tmp_path, 
     assert all(0 <= a <= b for a, b in zip(idle["extra_s"], idle["extra_s"][1:])) and 0 <= idle["decay"] <= 0.9
     assert len(s["chunk_delay_quantiles_s"]) == 101 and f["chunks"] > 0
     assert len(s["neighbour_chunk_delay_quantiles_s"]) == 101  # the same grid's chunks beside the busy server
+    # a newcomer of each context into ARRIVAL_PROBES streams: every probe read (both contexts were prefilled bare)
+    assert f["arrival_probes"] == 2 * ARRIVAL_PROBES and s["arrival_delay_s"] >= 0
+    assert p.served.arrival_delay_s == s["arrival_delay_s"]
     shape = StepShape("FULL", 2, 2, 2, 40, 40)
     assert p.step_time(shape) == pytest.approx(s["step_scale"] * p.bare_step_time(shape) + s["step_overhead_s"])
     with pytest.raises(ValueError, match="--served needs 1 in --rows"):

@@ -335,3 +335,28 @@ def test_nodes_sharing_a_host_draw_the_chunk_delays_measured_beside_a_neighbour(
               for p in (plain, near)]
     assert shared[1]["itl_ms"]["p99"] > shared[0]["itl_ms"]["p99"] + 5.0
     assert shared[1]["graph"] == shared[0]["graph"] and shared[1]["output_lens"] == shared[0]["output_lens"]
+
+
+def test_a_step_that_answers_a_newcomer_delays_the_other_streams_chunks_of_that_step():
+    """served.arrival_delay_s: r0 decodes alone; r1 arrives; the step that prefilled r1 (its first token) brings r0's
+    chunk that much later, and only that chunk: r0's gap into it grows by the delay and the one after shrinks by it;
+    r1's own TTFT, every step, the graph counts and the token counts are the run's without it. Leaping and step
+    by step agree."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    plain = profile_from_dict(LINEAR)
+    late = profile_from_dict({**LINEAR, "served": {"arrival_delay_s": 0.004}})
+    trace = [TraceRequest("r0", 0.0, 33, 40), TraceRequest("r1", 0.02, 17, 9)]
+    base = simulate(trace, parse_deployment("collocated"), cfg(), plain)
+    runs = [simulate(trace, parse_deployment("collocated"), cfg(), late, step_by_step=sbs) for sbs in (False, True)]
+    assert runs[0]["itls"] == runs[1]["itls"] and runs[0]["ttfts"] == runs[1]["ttfts"]
+    got = runs[0]
+    assert got["ttfts"] == base["ttfts"] and got["graph"] == base["graph"] and got["output_lens"] == base["output_lens"]
+    assert got["itls"][1] == base["itls"][1]  # r1 never shares a step with another's first token
+    diff = [a - b for a, b in zip(got["itls"][0], base["itls"][0])]
+    k = next(i for i, d in enumerate(diff) if abs(d) > 1e-12)
+    assert diff[k] == pytest.approx(0.004) and diff[k + 1] == pytest.approx(-0.004)
+    assert all(abs(d) < 1e-12 for i, d in enumerate(diff) if i not in (k, k + 1))
+    # the gap that grew is the one into the step that prefilled r1: it ends when r1's first token is out
+    t = 0.0 + base["ttfts"][0] + sum(base["itls"][0][:k + 1])
+    assert t == pytest.approx(0.02 + base["ttfts"][1])

@@ -238,9 +238,9 @@ def fit(samples: list[tuple[StepShape, float]]) -> tuple[dict, dict]:
     return coefs, report
 
 
-async def _stream(session, url: str, body: dict) -> list[float]:
-    """perf_counter times of a completion stream's token chunks."""
-    times = []
+async def _stream(session, url: str, body: dict, times: Optional[list] = None) -> list[float]:
+    """perf_counter times of a completion stream's token chunks (appended to `times` as they come, where given)."""
+    times = [] if times is None else times
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"the served calibration's server answered {r.status}: {(await r.text())[:200]}")
@@ -286,21 +286,14 @@ async def _arrivals(url: str, model_name: str, contexts: list[int], decode_steps
     out, n = [], itertools.count()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for c in [c for _ in range(ARRIVAL_PROBES) for c in contexts]:
-            times: list[float] = []
-
-            async def stream(body: dict) -> None:
-                async with session.post(url + "/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"the served calibration's server answered {r.status}")
-                    async for line in r.content:
-                        if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
-                            times.append(time.perf_counter())
-
+            halfway = asyncio.Event()  # not a polling loop: the client's own CPU would be in what it measures
+            times = _Chunks(lambda k: k >= decode_steps // 2 and halfway.set())
             body = _body(model_name, TraceRequest(f"arrival-stream-{next(n)}", 0.0, min(contexts), decode_steps),
                          vocab, seed=4)
-            task = asyncio.ensure_future(stream(body))
-            while len(times) < decode_steps // 2 and not task.done():
-                await asyncio.sleep(0.0002)
+            task = asyncio.ensure_future(_stream(session, url, body, times))
+            waiter = asyncio.ensure_future(halfway.wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
             first = (await _stream(session, url, _body(model_name, TraceRequest(f"arrival-{next(n)}", 0.0, c, 1),
                                                        vocab, seed=5)))[0]
             await task
@@ -308,6 +301,18 @@ async def _arrivals(url: str, model_name: str, contexts: list[int], decode_steps
         if progress is not None:
             progress(f"served: {len(out)} arrivals into a stream")
     return out
+
+
+class _Chunks(list):
+    """Chunk times that call `seen(count)` as each one comes."""
+
+    def __init__(self, seen: Callable[[int], object]):
+        super().__init__()
+        self.seen = seen
+
+    def append(self, t: float) -> None:
+        super().append(t)
+        self.seen(len(self))
 
 
 def arrival_delays(arrivals: Arrivals, prefill_s: Callable[[int], Optional[float]]) -> list[float]:

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
 
-from pdserve.bench.metrics import gap_medians  # noqa: E402
+from pdserve.bench.metrics import gap_medians, itl_tail  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BOUNDS = {"median_ttft_ms": 0.20, "median_tpot_ms": 0.10, "p99_itl_ms": 0.25}  # relative; non-FULL share: 1 pp
@@ -57,7 +57,8 @@ def per_rate(result_dir: Path, arm: str, rate: float) -> dict:
     d = json.loads((result_dir / f"{arm}_rate{rate:g}.json").read_text())
     graph = d.get("graph") or {}
     return {k: d[k] for k in BOUNDS} | {"non_full_share": graph.get("non_full_share"), "completed": d["completed"]} \
-        | gap_medians(d.get("itls") or []) | {"ttft_split_ms": d.get("router_ttft_split_ms") or None}
+        | gap_medians(d.get("itls") or []) | {"ttft_split_ms": d.get("router_ttft_split_ms") or None} \
+        | itl_tail(d.get("start_times"), d.get("ttfts"), d.get("itls"))
 
 
 def within(fig: dict, ref: dict) -> list[bool]:
@@ -80,7 +81,8 @@ def median_of(rounds: list[dict]) -> dict:
     def med(k):
         if isinstance(rounds[0][k], dict):  # the router's TTFT split: each stage's median
             return {stage: statistics.median(r[k].get(stage, 0.0) for r in rounds) for stage in rounds[0][k]}
-        return statistics.median(r[k] for r in rounds) if rounds[0][k] is not None else None
+        got = [r[k] for r in rounds if r[k] is not None]  # a round without the figure (no gap of that kind)
+        return statistics.median(got) if got else None
     return {k: med(k) for k in rounds[0]}
 
 
@@ -199,6 +201,16 @@ def main() -> int:
             print(f"{'':>18} {row['model']:>6} {label(row):>11} {row['rate']:>4g} | {r['first_gap_median_ms']:>10.1f} "
                   f"{s['first_gap_median_ms']:>5.1f} | {r['other_gaps_median_ms']:>11.2f} "
                   f"{s['other_gaps_median_ms']:>5.2f}")
+    # where the ITL tail sits (pdserve.bench.metrics.itl_tail): gaps during which another request was sent, among
+    # the gaps at or above the p99 ITL, and their median
+    print(f"ITL tail, real/sim: {'model':>6} {'arm':>11} {'rate':>4} | arrival gaps in the p99 tail | their median ms")
+    for row in rows:
+        r, s = row["real"], row["sim"]
+        if r["arrival_gaps_in_p99_tail"] is not None and s["arrival_gaps_in_p99_tail"] is not None:
+            med = "/".join(f"{x['arrival_gap_median_ms']:.1f}" if x["arrival_gap_median_ms"] is not None else "-"
+                           for x in (r, s))
+            print(f"{'':>19} {row['model']:>6} {label(row):>11} {row['rate']:>4g} | "
+                  f"{r['arrival_gaps_in_p99_tail']:>12.0%} / {s['arrival_gaps_in_p99_tail']:<13.0%} | {med}")
     # the router's TTFT split (router/timing.py), real against simulated: which stage a TTFT error comes from
     stages = ("router_to_prefill", "prefill", "kv_transfer", "decode_queue", "first_token", "first_token_from_prefill")
     print(f"TTFT split (means, ms, real/sim): {'model':>6} {'arm':>11} {'rate':>4} | " +

@@ -95,6 +95,38 @@ def gap_medians(itls: list) -> dict:
             "other_gaps_median_ms": float(np.median(rest)) if rest else None}
 
 
+def itl_tail(start_times: Optional[list], ttfts: Optional[list], itls: Optional[list], before_s: float = 0.003) -> dict:
+    """Where the ITL tail sits, from per-request send times, TTFTs and gaps (seconds, as a run's JSON keeps them). An
+    arrival gap is a request's gap during which another request was sent (from `before_s` before the gap to its
+    end: the newcomer's way in and its prefill). Gives the arrival gaps' share of all gaps and of the gaps at or
+    above the p99 ITL, the first gaps' share of those, the arrival gaps' median and the p99 ITL without them (ms).
+    None throughout where the run kept no send times or had no gap."""
+    none = {"arrival_gap_share": None, "arrival_gaps_in_p99_tail": None, "first_gaps_in_p99_tail": None,
+            "arrival_gap_median_ms": None, "p99_itl_without_arrival_gaps_ms": None}
+    if not start_times or not ttfts or not itls:
+        return none
+    sends = np.sort(np.asarray(start_times, dtype=np.float64))
+    gaps = []  # (gap, is an arrival gap, is a first gap)
+    for s, t0, g in zip(start_times, ttfts, itls):
+        t = s + (t0 or 0.0)
+        for k, x in enumerate(g or []):
+            lo, hi = np.searchsorted(sends, t - before_s, "left"), np.searchsorted(sends, t + x, "right")
+            others = hi - lo - int(t - before_s <= s <= t + x)  # its own send never counts
+            gaps.append((x, others > 0, k == 0))
+            t += x
+    if not gaps:
+        return none
+    x = np.array([g for g, _, _ in gaps])
+    arrival = np.array([a for _, a, _ in gaps])
+    first = np.array([f for _, _, f in gaps])
+    tail = x >= np.percentile(x, 99)
+    rest = x[~arrival]
+    return {"arrival_gap_share": float(arrival.mean()), "arrival_gaps_in_p99_tail": float(arrival[tail].mean()),
+            "first_gaps_in_p99_tail": float(first[tail].mean()),
+            "arrival_gap_median_ms": float(1000 * np.median(x[arrival])) if arrival.any() else None,
+            "p99_itl_without_arrival_gaps_ms": float(1000 * np.percentile(rest, 99)) if rest.size else None}
+
+
 def is_good(r: RequestResult, slos: dict[str, float]) -> bool:
     tpot = r.tpot if r.tpot is not None else 0.0
     measured = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.launcher import FIRST_TOKEN_ARMS, Deployment, collocated_nodes, launch, vllm_router_program
-from pdserve.bench.metrics import gap_medians
+from pdserve.bench.metrics import gap_medians, itl_tail
 from pdserve.bench.report import format_table, plot
 from pdserve.bench.serve import add_bench_serve_args, json_safe, run_bench_serve
 from pdserve.worker.cudagraph_dispatch import RULES
@@ -146,7 +146,8 @@ def _row(arm: str, rate: float, r: dict) -> dict:
             "mean_tpot_ms": r["tpot_ms"]["mean"], "p99_tpot_ms": r["tpot_ms"]["p99"], "p99_itl_ms": r["itl_ms"]["p99"],
             "median_ttft_ms": r["ttft_ms"]["median"], "request_throughput": r["request_throughput"],
             "router_ttft_split_ms": r.get("router_ttft_split_ms"), "decode_phases_ms": r.get("decode_phases_ms"),
-            "spec_decode": g.get("spec_decode"), **gap_medians(r.get("itls") or [])}
+            "spec_decode": g.get("spec_decode"), **gap_medians(r.get("itls") or []),
+            **itl_tail(r.get("start_times"), r.get("ttfts"), r.get("itls"))}
 
 
 def run_bench_pd(args) -> int:

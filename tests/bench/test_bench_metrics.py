@@ -306,3 +306,25 @@ def test_chosen_percentiles_and_metrics():
         with pytest.raises(ValueError, match="--percentile-metrics" if "foo" in bad[0] or not bad[0]
                            else "--metric-percentiles"):
             parse_percentiles(*bad)
+
+
+def test_itl_tail_finds_the_gaps_another_request_arrived_in():
+    """A decodes at 2 ms a token but one gap of 8 ms, during which B was sent: that is the one arrival gap and the
+    whole p99 tail. B's own send falls in its first gap's window and does not count; a send up to `before_s` before
+    a gap does; without send times there is nothing to say."""
+    from pdserve.bench.metrics import itl_tail
+    a_gaps = [0.002, 0.002, 0.008] + [0.002] * 17  # A's tokens at 10, 12, 14, 22, 24 ... ms
+    starts, ttfts, itls = [0.0, 0.016], [0.010, 0.002], [a_gaps, [0.002, 0.002, 0.002]]  # B's at 18, 20, 22, 24 ms
+    got = itl_tail(starts, ttfts, itls)
+    assert got["arrival_gap_share"] == pytest.approx(1 / 23)
+    assert got["arrival_gaps_in_p99_tail"] == 1.0 and got["first_gaps_in_p99_tail"] == 0.0
+    assert got["arrival_gap_median_ms"] == pytest.approx(8.0)
+    assert got["p99_itl_without_arrival_gaps_ms"] == pytest.approx(2.0)
+    # a third request sent at 30.5 ms, inside A's gap (30, 32] and 1.5 ms before its gap (32, 34]: the second counts
+    # within the 3 ms window, not within 1 ms
+    late = itl_tail(starts + [0.0305], ttfts + [0.5], itls + [[]])
+    assert late["arrival_gap_share"] == pytest.approx(3 / 23)
+    assert itl_tail(starts + [0.0305], ttfts + [0.5], itls + [[]], before_s=0.001)["arrival_gap_share"] == \
+        pytest.approx(2 / 23)
+    assert set(itl_tail(None, ttfts, itls).values()) == {None}
+    assert set(itl_tail(starts, ttfts, [[], []]).values()) == {None}

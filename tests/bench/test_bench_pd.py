@@ -63,6 +63,8 @@ def test_bench_pd_end_to_end(qwen3_tiny, tmp_path):
         # the serving nodes' (D's) own queue and first step, also where P's token came first
         assert all(r["decode_phases_ms"].get(k, 0) > 0 for k in ("queue", "prefill")), r
         assert r["first_gap_median_ms"] > 0 and r["other_gaps_median_ms"] > 0, r
+        # where the ITL tail sits (itl_tail), from the run's send times: shares in [0, 1]
+        assert 0 <= r["arrival_gap_share"] <= 1 and 0 <= r["first_gaps_in_p99_tail"] <= 1, r
     assert "first own step" in out
     # early decode, the router's default: D asked P for each streamed request's hand-off (2 warm-up + 2 x 6), over
     # HTTP until it knew P's KV endpoint (the warm-up), then its engine on P's KV channel; not with

@@ -360,3 +360,19 @@ def test_a_step_that_answers_a_newcomer_delays_the_other_streams_chunks_of_that_
     # the gap that grew is the one into the step that prefilled r1: it ends when r1's first token is out
     t = 0.0 + base["ttfts"][0] + sum(base["itls"][0][:k + 1])
     assert t == pytest.approx(0.02 + base["ttfts"][1])
+
+
+def test_a_replay_on_d_is_no_newcomer_to_its_other_streams():
+    """D admitted the request when it arrived and loaded its KV since: the replay step that gives it its first token
+    does not delay D's other streams (served.arrival_delay_s is the way in of a request prefilled where it runs). P
+    answers every request with its own first token: nothing of P's reaches a client in the replay arms."""
+    from pdserve.sim.profile import profile_from_dict
+    from tests.sim.conftest import LINEAR
+    plain = profile_from_dict(LINEAR)
+    late = profile_from_dict({**LINEAR, "served": {"arrival_delay_s": 0.004}})
+    trace = [TraceRequest("r0", 0.0, 33, 40), TraceRequest("r1", 0.02, 17, 9), TraceRequest("r2", 0.03, 48, 12)]
+    runs = [simulate(trace, parse_deployment("1p1d"), cfg(), p, transfer=FAST) for p in (plain, late)]
+    assert runs[0]["itls"] == runs[1]["itls"] and runs[0]["ttfts"] == runs[1]["ttfts"]
+    # the same trace collocated: the newcomers' prefills there do delay r0
+    runs = [simulate(trace, parse_deployment("collocated"), cfg(), p) for p in (plain, late)]
+    assert runs[0]["itls"] != runs[1]["itls"]

@@ -238,8 +238,10 @@ def fit(samples: list[tuple[StepShape, float]]) -> tuple[dict, dict]:
     return coefs, report
 
 
-async def _stream(session, url: str, body: dict, times: Optional[list] = None) -> list[float]:
-    """perf_counter times of a completion stream's token chunks (appended to `times` as they come, where given)."""
+async def _stream(session, url: str, body: dict, on_chunk: Optional[Callable[[list[float]], object]] = None,
+                  times: Optional[list] = None) -> list[float]:
+    """perf_counter times of a completion stream's token chunks (into `times` where given; `on_chunk(times)` after
+    each one)."""
     times = [] if times is None else times
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
@@ -247,6 +249,8 @@ async def _stream(session, url: str, body: dict, times: Optional[list] = None) -
         async for line in r.content:
             if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
                 times.append(time.perf_counter())
+                if on_chunk is not None:
+                    on_chunk(times)
     return times
 
 
@@ -287,10 +291,11 @@ async def _arrivals(url: str, model_name: str, contexts: list[int], decode_steps
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for c in [c for _ in range(ARRIVAL_PROBES) for c in contexts]:
             halfway = asyncio.Event()  # not a polling loop: the client's own CPU would be in what it measures
-            times = _Chunks(lambda k: k >= decode_steps // 2 and halfway.set())
+            times: list[float] = []
             body = _body(model_name, TraceRequest(f"arrival-stream-{next(n)}", 0.0, min(contexts), decode_steps),
                          vocab, seed=4)
-            task = asyncio.ensure_future(_stream(session, url, body, times))
+            task = asyncio.ensure_future(_stream(session, url, body,
+                                                 lambda t: len(t) >= decode_steps // 2 and halfway.set(), times))
             waiter = asyncio.ensure_future(halfway.wait())
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -301,18 +306,6 @@ async def _arrivals(url: str, model_name: str, contexts: list[int], decode_steps
         if progress is not None:
             progress(f"served: {len(out)} arrivals into a stream")
     return out
-
-
-class _Chunks(list):
-    """Chunk times that call `seen(count)` as each one comes."""
-
-    def __init__(self, seen: Callable[[int], object]):
-        super().__init__()
-        self.seen = seen
-
-    def append(self, t: float) -> None:
-        super().append(t)
-        self.seen(len(self))
 
 
 def arrival_delays(arrivals: Arrivals, prefill_s: Callable[[int], Optional[float]]) -> list[float]:
@@ -412,7 +405,10 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
         scale, overhead = 1.0, max(0.0, float(np.median(y - X[:, 0])))
     served = {"step_scale": float(scale), "step_overhead_s": float(overhead)}
     rel = np.abs(X @ np.array([served["step_scale"], served["step_overhead_s"]]) - y) / y
-    lat = [t - (scale * predict(s) + overhead) for s, t, _ in firsts]
+
+    def served_step(s: StepShape) -> float:
+        return scale * predict(s) + overhead
+    lat = [t - served_step(s) for s, t, _ in firsts]
     whole = max(0.0, float(statistics.median(lat))) if lat else 0.0
     est = whole
     if lat and idle.gaps_s:  # the server idled from the last chunk through the request's own way in (the latency
@@ -426,9 +422,8 @@ def fit_served(batches: Batches, bare: list[tuple[StepShape, float]], predict: C
     # reading 1 or 4 (the small model at 1 thread: p99 29 ms against 17 and 11), and the simulator draws by the rows
     # of the chunk's step
     served.update(_delay_fields(delays, ""))
-    prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
-    extra = arrival_delays(arrivals or [], lambda c: scale * predict(prefill_shape[c]) + overhead
-                           if c in prefill_shape else None)
+    prefill_shape = _prefill_shapes(bare)
+    extra = arrival_delays(arrivals or [], lambda c: served_step(prefill_shape[c]) if c in prefill_shape else None)
     if extra:
         served["arrival_delay_s"] = max(0.0, float(statistics.median(extra)))
     report = {"decode_runs": len(gaps), "median_rel_error": float(np.median(rel)),
@@ -480,6 +475,11 @@ def _lateness(times: list[float]) -> list[float]:
     return [float(v) for v in np.maximum(0.0, late - np.median(late))]
 
 
+def _prefill_shapes(bare: list[tuple[StepShape, float]]) -> dict[int, StepShape]:
+    """{prompt tokens: the shape of a lone request's prefill step} from the bare steps."""
+    return {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
+
+
 def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
                  ) -> tuple[dict[tuple[int, int], tuple[StepShape, float]], list[tuple[StepShape, float, float]],
                             dict[int, list[float]]]:
@@ -487,7 +487,7 @@ def _decode_runs(batches: Batches, bare: list[tuple[StepShape, float]]
     the first chunk, the client's idle time before it was sent)], {rows: every decode-run chunk's lateness in
     seconds in batches of that many streams}) of the served batches (fit_served's docstring)."""
     decode_shape = {s.num_reqs: s for s, _ in bare if s.num_tokens == s.num_reqs}  # r rows, one token each
-    prefill_shape = {s.num_tokens: s for s, _ in bare if s.num_reqs == 1 and s.num_tokens > 1}
+    prefill_shape = _prefill_shapes(bare)
     runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
     firsts, delays = [], {}
     last_end = None  # the previous batch's last chunk: the server idles from there to the next send

@@ -373,9 +373,10 @@ class Simulator:
         # a step that gave a request prefilled here its first token: the other rows' chunks reach their clients that
         # much later (served.arrival_delay_s, the newcomer's way in; a request whose KV was loaded came in long before
         # its replay step; a leap never holds such a step)
-        newcomer = node.profile.served.arrival_delay_s if any(
-            r.num_output_tokens == n and not (r.kv_transfer_params or {}).get("do_remote_prefill")
-            for r, n in rec.emitted) else 0.0
+        newcomer = node.profile.served.arrival_delay_s
+        if newcomer and not any(r.num_output_tokens == n and not (r.kv_transfer_params or {}).get("do_remote_prefill")
+                                for r, n in rec.emitted):
+            newcomer = 0.0
         for req, n in rec.emitted:  # (_took_leap records a leap's steps the same way: keep the two alike)
             view = self.owner.get((node.name, req.request_id))
             if view is None:

@@ -67,8 +67,11 @@ class SchedulerConfig:
                                           "the same as without. Default: auto, on with CUDA, off on CPU (there the "
                                           "forward is Python op dispatch holding the GIL the host work needs, and "
                                           "a 2-core machine measured steps 0.1-2.2 ms slower with it: "
-                                          "benchmarks/results/step_overhead_async.json). Off with "
-                                          "--speculative-config (the next drafts need the landed tokens).")
+                                          "benchmarks/results/step_overhead_async.json) except in a server while "
+                                          "other processes use half the cores or more (the CPU thread governor's "
+                                          "reading), where the overlap kept the steps' pace: "
+                                          "docs/cpu-notes.md. Off with --speculative-config (the next drafts need "
+                                          "the landed tokens).")
 
     def use_async_scheduling(self, device_type: str) -> bool:
         """`async_scheduling` resolved for an engine on `device_type` (unset: auto, on for CUDA only)."""

@@ -102,6 +102,9 @@ class LLMEngine:
             logger.info("async scheduling is off with speculative decoding (the next step's drafts are looked up in "
                         "the tokens this step makes): steps run one after another")
         self.steps = StepPipeline(self) if self.async_scheduling else EngineStep(self)
+        self._pipelines = {self.async_scheduling: self.steps}  # each made once: the async one keeps its thread
+        self._want_async: Optional[bool] = None  # want_async_scheduling(): applied at the next step()
+        self._num_threads = torch.get_num_threads()  # the count the thread running the model must have
 
     def _num_blocks(self, profile: Optional[memory.MemoryProfile] = None) -> int:
         """KV blocks, the null block included: the override, else what `profile` leaves under
@@ -352,10 +355,29 @@ class LLMEngine:
     def set_num_threads(self, n: int) -> None:
         """CPU intra-op threads of the thread that runs the model: torch's OpenMP count is per thread, so with async
         scheduling it is set on the worker thread (after the step in flight), where a count set here would not go."""
+        self._num_threads = n
         self.steps.call(torch.set_num_threads, n)
 
+    def want_async_scheduling(self, on: bool) -> None:
+        """Overlap on or off from the next step() on (the server's CPU governor, while other processes crowd the
+        cores: worker/cpu_threads.py). A no-op with speculative decoding, which runs its steps one after another."""
+        if self.config.speculative_config is None:
+            self._want_async = on
+
+    def _switch_steps(self, on: bool) -> list[RequestOutput]:
+        """At a step boundary: the step in flight landed (its outputs returned), then the other pipeline, its model
+        thread given the count in force. The tokens are the same either way (tests/core/test_async_scheduling.py)."""
+        outputs = self.steps.drain()
+        if on not in self._pipelines:
+            self._pipelines[on] = StepPipeline(self) if on else EngineStep(self)
+        self.steps, self.async_scheduling = self._pipelines[on], on
+        self.steps.call(torch.set_num_threads, self._num_threads)
+        logger.info("async scheduling %s", "on" if on else "off")
+        return outputs
+
     def shutdown(self) -> None:
-        self.steps.shutdown()
+        for steps in self._pipelines.values():
+            steps.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
 
@@ -415,6 +437,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Poll transfers, schedule, run, update, outputs (step_pipeline.py; with async scheduling the model's run
         overlaps the next step()'s host work, and the outputs come one step() later)."""
+        if self._want_async is not None and self._want_async != self.async_scheduling:
+            return self._switch_steps(self._want_async) + self.steps.step()
         return self.steps.step()
 
     def check_invariants(self) -> None:

@@ -192,6 +192,11 @@ class EngineStep:
         """`fn(*args)` on the thread that runs the model, after the step in flight (the arrival driver's prefill)."""
         return fn(*args)
 
+    def drain(self) -> list[RequestOutput]:
+        """Lands the step in flight, if any, without launching another; returns its outputs (nothing is ever in
+        flight here)."""
+        return []
+
     def check_invariants(self) -> None:
         """The step in flight is accounted for, not waited on (the worker touches no pool or scheduler state): its
         requests are running or finished, and a running request has a placeholder exactly when its row samples."""
@@ -247,6 +252,20 @@ class StepPipeline(EngineStep):
         outputs += eng.output_processor.process(updated, lps)
         # a step that could not start fails its requests after their landed tokens went out
         return outputs + (self._failed(out, error) if error is not None else [])
+
+    def drain(self) -> list[RequestOutput]:
+        """Lands the step in flight without launching another (before the engine switches to running its steps one
+        after another): the scheduler is then as a synchronous step leaves it, no placeholder left."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return []
+        landed, future = flight
+        try:
+            result = future.result()
+        except Exception as e:
+            return self._failed(landed, e)
+        self.failed_in_a_row = 0
+        return self.engine.output_processor.process(*self._land(landed, result, in_flight=True))
 
     def _launch(self, out: SchedulerOutput) -> Optional[Exception]:
         eng = self.engine

@@ -48,6 +48,9 @@ class EngineCore:
         self.cpu_threads = adaptive_threads(eng.device.type, self.server_pid, eng.set_num_threads)
         if eng.device.type == "cpu":  # small steps on one thread, whoever set the count (SmallSteps)
             eng.runner.small_steps = small_steps(eng.runner.num_params)
+        # auto (no --[no-]async-scheduling) on a CPU: the overlap while other processes crowd the cores, where it
+        # held the steps' pace and the quiet machine lost it (docs/cpu-notes.md "Overlap while the cores are crowded")
+        adaptive = self.cpu_threads is not None and self.engine_config.scheduler.async_scheduling is None
         freeze_startup_heap()  # no later collection walks the model and engine (a full one took ~95 ms on a D)
         self.sink(EngineInfo(eng.max_model_len, eng.vocab_size, eng.num_blocks - 1, eng.device.type,
                              getattr(eng, "connector", None) is not None, eng.async_scheduling))
@@ -60,6 +63,8 @@ class EngineCore:
                     graphs.flush_if_due()  # the inbox wakes the loop at least once a second
                 if self.cpu_threads is not None:
                     self.cpu_threads.poll()
+                    if adaptive:
+                        eng.want_async_scheduling(self.cpu_threads.crowded)
                 busy = eng.has_unfinished_requests()
                 batch = StepBatch(0.0)
                 for cmd in self.inbox.get(block=not busy):

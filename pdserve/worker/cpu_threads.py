@@ -69,20 +69,26 @@ class CpuThreads:
     `others` (cores' worth the rest of the machine used over the last interval) more than `high` over what our
     threads leave free means a thread of ours would be descheduled inside a barrier: drop to what the free cores hold
     (at least 1). Up one thread a reading, and only while one more would overlap the others by less than `low`, so
-    a load near the line does not flap it."""
+    a load near the line does not flap it.
+
+    `crowded` says other processes hold about half the machine or more (on above `cores / 2 + band` cores, off
+    below `cores / 2 - band`): the server's engine then overlaps its steps (async scheduling, `LLMEngine.
+    want_async_scheduling`), which a quiet machine measured slower and a crowded one faster (docs/cpu-notes.md)."""
 
     def __init__(self, max_threads: int, interval: float = 0.5, partner_pid: Optional[int] = None,
-                 high: float = 0.3, low: float = 0.15, set_threads: Callable[[int], None] = torch.set_num_threads,
+                 high: float = 0.3, low: float = 0.15, band: float = 0.25,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
                  clock: Callable[[], float] = time.monotonic,
                  busy: Callable[[], Optional[float]] = machine_busy_seconds,
                  own: Callable[[Optional[int]], float] = process_cpu_seconds):
         self.max_threads = max_threads
         self.threads = max_threads
-        self.interval, self.high, self.low = interval, high, low
+        self.interval, self.high, self.low, self.band = interval, high, low, band
         self.partner_pid = partner_pid
         self._set, self._clock, self._busy, self._own = set_threads, clock, busy, own
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.others = 0.0  # last reading, in cores
+        self.crowded = False  # others hold half the cores or more (with `band` either way against flapping)
         self.switches = 0
         self._last = self._sample()
 
@@ -101,6 +107,8 @@ class CpuThreads:
         (t0, busy0, mine0), (t1, busy1, mine1) = self._last, now
         self._last = now
         self.others = max(0.0, (busy1 - busy0) - (mine1 - mine0)) / max(t1 - t0, 1e-9)
+        half = self.cores / 2
+        self.crowded = self.others > half - self.band if self.crowded else self.others > half + self.band
         free = self.cores - self.others
         want = self.threads
         if self.threads > 1 and self.others > self.cores - self.threads + self.high:

@@ -195,6 +195,154 @@ def test_aborts_in_flight_scheduled_and_waiting_and_an_id_reused(qwen3_tiny):
     assert {k: summary(final[k]) for k in ("r2", "r3")} == {k: summary(ref[k]) for k in ("r2", "r3")}
 
 
+def flipping(period: int, log: list):
+    """A drain() hook that asks for the other mode every `period` steps (the server's governor on a machine whose
+    load comes and goes), logging (mode asked, a step in flight) at each ask."""
+    def each(e, final):
+        e.n = getattr(e, "n", 0) + 1
+        if e.n % period == 0:
+            log.append((not e.async_scheduling, e.steps.in_flight is not None))
+            e.want_async_scheduling(not e.async_scheduling)
+    return each
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_switching_the_overlap_mid_run_keeps_every_token(qwen3_tiny, period):
+    """Greedy float64 and seeded sampling with penalties and logprobs, chunked prefills beside decodes, a pool
+    small enough to preempt: switched on and off every `period` steps (a step in flight landed at each switch off),
+    the outputs are the synchronous engine's, no output after a final one, the pool whole (drain())."""
+    prompts = [ids(n, n) for n in (1, 5, 9, 13, 21)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 1, 20, 7)] + [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=15, ignore_eos=True, logprobs=2, repetition_penalty=1.2,
+                       presence_penalty=0.5, top_p=0.9)]
+    kw = dict(max_num_batched_tokens=16, max_model_len=37, num_gpu_blocks_override=12)
+    _, ref = run(qwen3_tiny, False, prompts, params, **kw)
+    e = make(qwen3_tiny, False, **kw)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        e.add_request(p, sp, request_id=f"r{i}")
+    log = []
+    try:
+        got = drain(e, flipping(period, log))
+    finally:
+        e.shutdown()
+    assert {k: summary(o) for k, o in got.items()} == {k: summary(o) for k, o in ref.items()}
+    for a, b in zip(got["r4"].outputs[0].logprobs, ref["r4"].outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-9) for t in a)
+    assert (False, True) in log and (True, False) in log  # switched off with a step in flight, and on
+    assert e.scheduler.num_preemptions > 0
+    assert e._pipelines[True].num_overlapped > 0 or period == 1  # every step a switch: launched, then landed
+    assert {threading.main_thread()} < e.threads  # both threads ran the model
+
+
+def test_switching_off_lands_an_aborted_step_in_flight(qwen3_tiny):
+    """A request aborted while its step is in flight, then the overlap switched off before the next step: the
+    landed token is dropped, the others go on to the synchronous engine's tokens, the pool whole."""
+    prompts = [ids(6, i) for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    _, ref = run(qwen3_tiny, False, prompts, sp)
+    e = make(qwen3_tiny, True)
+    for i, p in enumerate(prompts):
+        e.add_request(p, sp, request_id=f"r{i}")
+    aborted = {}
+
+    def abort_then_switch(e, final):
+        flight = {row.request.request_id for row in e.steps.in_flight[0].rows} if e.steps.in_flight else set()
+        if not aborted and "r1" in flight and len(e.scheduler.requests["r1"].output_token_ids) >= 2:
+            aborted["r1"] = e.abort_request("r1")
+            e.want_async_scheduling(False)
+    try:
+        got = drain(e, abort_then_switch)
+    finally:
+        e.shutdown()
+    assert aborted and type(e.steps) is EngineStep and e.async_scheduling is False
+    assert aborted["r1"].outputs[0].finish_reason == "abort"
+    assert {k: summary(got[k]) for k in ("r0", "r2")} == {k: summary(ref[k]) for k in ("r0", "r2")}
+
+
+def test_a_switch_carries_the_governors_thread_count(qwen3_tiny):
+    """The count the governor set (on the thread that ran the model) is the new model thread's after a switch."""
+    import torch
+
+    e = make(qwen3_tiny, False)
+    mine = torch.get_num_threads()
+    want = 1 if mine > 1 else 2
+    try:
+        e.set_num_threads(want)
+        e.want_async_scheduling(True)
+        e.add_request(ids(5), GREEDY, request_id="a")
+        drain(e)
+        assert type(e.steps) is StepPipeline and e.steps.call(torch.get_num_threads) == want
+        e.set_num_threads(mine)
+        e.want_async_scheduling(False)
+        e.add_request(ids(5), GREEDY, request_id="b")
+        drain(e)
+        assert type(e.steps) is EngineStep and torch.get_num_threads() == mine
+        e.set_num_threads(want)
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(mine)
+        e.shutdown()
+
+
+def test_no_switch_with_speculative_decoding(qwen3_tiny):
+    """Spec decode runs its steps one after another: asking for the overlap is a no-op there."""
+    e = LLM(qwen3_tiny, dtype="float64", block_size=4, max_model_len=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}).engine
+    e.want_async_scheduling(True)
+    e.add_request(ids(9), GREEDY, request_id="a")
+    while e.has_unfinished_requests():
+        e.step()
+    assert type(e.steps) is EngineStep and e.async_scheduling is False
+
+
+@pytest.mark.parametrize("flag, want", [(None, [False, True, False]), (False, [False, False, False])])
+def test_the_server_loop_overlaps_while_the_governor_reads_the_cores_crowded(qwen3_tiny, monkeypatch, flag, want):
+    """EngineCore with auto (no flag): the engine runs its steps one after another, overlaps while the governor
+    says `crowded`, and goes back when it no longer does; with --no-async-scheduling it never switches."""
+    import queue
+
+    from pdserve.config import EngineConfig
+    from pdserve.serve.engine_commands import AddRequest, Stop
+    from pdserve.serve.engine_core import EngineCore, QueueInbox
+    from pdserve.serve.engine_messages import StepBatch
+    from pdserve.worker import cpu_threads
+
+    class Governor:  # what the loop reads of worker/cpu_threads.CpuThreads
+        crowded, threads = False, 1
+
+        def poll(self):
+            return self.threads
+
+    gov = Governor()
+    monkeypatch.setattr(cpu_threads, "adaptive_threads", lambda *a, **k: gov)
+    inbox, out = QueueInbox(), queue.Queue()
+    core = EngineCore(EngineConfig.from_kwargs(qwen3_tiny, block_size=4, max_model_len=64, async_scheduling=flag),
+                      inbox, out.put)
+    thread = threading.Thread(target=core.run, daemon=True)
+    modes = []
+
+    def run_one(rid, crowded):
+        gov.crowded = crowded
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        inbox.put(AddRequest(rid, ids(7), sp, time.monotonic()))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            batch = out.get(timeout=30)
+            if isinstance(batch, StepBatch) and any(r.request_id == rid and r.finished for r in batch.records):
+                break
+        modes.append(core.engine.async_scheduling)
+    thread.start()
+    try:
+        out.get(timeout=60)  # EngineInfo
+        for rid, crowded in (("a", False), ("b", True), ("c", False)):
+            run_one(rid, crowded)
+    finally:
+        inbox.put(Stop())
+        thread.join(30)
+    assert not thread.is_alive()
+    assert modes == want
+
+
 def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(qwen3_tiny, caplog):
     prompts = [ids(5, 1), ids(13, 2)]
     _, ref = run(qwen3_tiny, False, prompts, GREEDY)
@@ -270,6 +418,43 @@ def test_pd_async_equals_collocated_sync(qwen3_tiny):
         d.engine.shutdown()
 
 
+def test_pd_d_switching_every_step_equals_collocated(qwen3_tiny):
+    """D (its governor's switch, by hand) turns the overlap on and off every step while KV loads arrive and land:
+    the tokens are collocated's, both pools whole."""
+    from tests.server_harness import free_port
+    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, prefill_on
+    kv = {"kv_connector": "TcpConnector", "kv_auth_token": "secret"}
+    p = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": free_port(),
+                                            "engine_id": "P0"}, **ENGINE)
+    d = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_consumer", "kv_transfer_timeout": 1.0}, **ENGINE)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        col = LLM(qwen3_tiny, **ENGINE).generate(PROMPTS, sp, use_tqdm=False)
+        params = prefill_on(p, PROMPTS)
+        done, modes, t0 = {}, set(), time.monotonic()
+
+        def step():
+            d.engine.want_async_scheduling(not d.engine.async_scheduling)
+            done.update((o.request_id, o) for o in d.engine.step() if o.finished)
+            modes.add(d.engine.async_scheduling)
+        for i, (prompt, kp) in enumerate(zip(PROMPTS, params)):  # one arrival a step: loads start mid-run
+            d.engine.add_request(prompt, sp, request_id=f"d{i}", kv_transfer_params=kp)
+            step()
+        while d.engine.has_unfinished_requests():
+            assert time.monotonic() - t0 < 30, "D did not finish"
+            step()
+        assert [done[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == \
+            [o.outputs[0].token_ids for o in col]
+        assert modes == {True, False} and sum(o.num_external_tokens for o in done.values()) > 0
+        assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+        while p.engine.has_unfinished_requests():  # P releases the leases D confirmed
+            p.engine.step()
+        assert_whole(p, d)
+    finally:
+        p.engine.shutdown()
+        d.engine.shutdown()
+
+
 def test_speculative_decoding_runs_synchronously(qwen3_tiny, caplog):
     prompts = [ids(12, 1) * 2, ids(9, 4)]  # a repeated prompt: n-gram drafts hit
     _, ref = run(qwen3_tiny, True, prompts, GREEDY)
@@ -326,6 +511,7 @@ def test_help_states_the_default_and_why(capsys):
     text = out[out.index(flag) + len(flag):]
     text = text[:text.index(" --cudagraph-mode")]
     assert "Default: auto, on with CUDA, off on CPU" in text and "slower" in text, text
+    assert "except in a server while other processes use half the cores or more" in text, text
 
 
 def test_thread_count_is_set_where_the_model_runs(qwen3_tiny):

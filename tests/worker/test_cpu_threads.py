@@ -50,6 +50,26 @@ def test_drops_to_one_beside_a_busy_process_and_comes_back_without_flapping():
     assert g.poll() == 1
 
 
+def test_crowded_while_others_hold_half_the_cores_with_a_band_against_flapping():
+    """`crowded` (the server's cue to overlap its steps) is on above half the cores + band, off below half - band."""
+    m = FakeMachine()
+    g = m.governor(max_threads=2, cores=2)
+    seen = []
+    for others in (0.7, 1.2, 1.3, 1.0, 0.8, 0.74, 1.26, 3.0):
+        m.run(0.5, others=others)
+        g.poll()
+        seen.append(g.crowded)
+    assert seen == [False, False, True, True, True, False, True, True]
+    m16 = FakeMachine()
+    g16 = m16.governor(max_threads=16, cores=16)
+    m16.run(0.5, others=7.0)
+    g16.poll()
+    assert not g16.crowded  # 7 of 16 cores: not half
+    m16.run(0.5, others=8.5)
+    g16.poll()
+    assert g16.crowded
+
+
 def test_reads_at_most_once_an_interval():
     m = FakeMachine()
     g = m.governor()

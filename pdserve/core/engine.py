@@ -34,6 +34,7 @@ from pdserve.transfer.channel.leases import sends_first_token
 from pdserve.transfer.factory import make_connector
 from pdserve.worker import memory
 from pdserve.worker.model_runner import ModelRunner, kv_bytes_per_block
+from pdserve.worker.openmp import release_thread_pool
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -368,6 +369,8 @@ class LLMEngine:
         """At a step boundary: the step in flight landed (its outputs returned), then the other pipeline, its model
         thread given the count in force. The tokens are the same either way (tests/core/test_async_scheduling.py)."""
         outputs = self.steps.drain()
+        if self.device.type == "cpu":  # one OpenMP pool at a time (worker/openmp.py): the thread that hands the
+            self.steps.call(release_thread_pool)  # model over frees its own, else regions wake threads via the kernel
         if on not in self._pipelines:
             self._pipelines[on] = StepPipeline(self) if on else EngineStep(self)
         self.steps, self.async_scheduling = self._pipelines[on], on

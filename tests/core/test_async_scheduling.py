@@ -284,6 +284,25 @@ def test_a_switch_carries_the_governors_thread_count(qwen3_tiny):
         e.shutdown()
 
 
+def test_the_thread_that_hands_the_model_over_frees_its_openmp_pool(qwen3_tiny, monkeypatch):
+    """Two OpenMP pools on the cores make libgomp stop spinning (worker/openmp.py): at each switch the thread that
+    ran the model until then frees its own, the engine thread going async, the worker thread going back."""
+    import pdserve.core.engine as engine_mod
+    freed = []
+    monkeypatch.setattr(engine_mod, "release_thread_pool", lambda: freed.append(threading.current_thread()))
+    e = make(qwen3_tiny, False)
+    try:
+        for rid, on in (("a", True), ("b", False), ("c", True)):
+            e.want_async_scheduling(on)
+            e.add_request(ids(5), GREEDY, request_id=rid)
+            drain(e)
+    finally:
+        e.shutdown()
+    main = threading.main_thread()
+    assert len(freed) == 3 and freed[0] is main and freed[2] is main and freed[1] is not main
+    assert freed[1] in e.threads  # the worker thread that ran the model
+
+
 def test_no_switch_with_speculative_decoding(qwen3_tiny):
     """Spec decode runs its steps one after another: asking for the overlap is a no-op there."""
     e = LLM(qwen3_tiny, dtype="float64", block_size=4, max_model_len=64,

@@ -396,14 +396,30 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(qwen3_tiny, 
     assert final["one"].outputs[0].finish_reason == "error"  # the step with both failed both
 
 
-def test_pd_async_equals_collocated_sync(qwen3_tiny):
+def pd_pair(model, on: bool):
+    """P and D over tcp on this process, both with async scheduling `on`."""
     from tests.server_harness import free_port
-    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, drain, prefill_on
+    from tests.transfer.test_pd_engine import ENGINE
     kv = {"kv_connector": "TcpConnector", "kv_auth_token": "secret"}
-    p = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": free_port(),
-                                            "engine_id": "P0"}, async_scheduling=True, **ENGINE)
-    d = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_consumer", "kv_transfer_timeout": 1.0},
-            async_scheduling=True, **ENGINE)
+    p = LLM(model, kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": free_port(), "engine_id": "P0"},
+            async_scheduling=on, **ENGINE)
+    d = LLM(model, kv_transfer_config={**kv, "kv_role": "kv_consumer", "kv_transfer_timeout": 1.0},
+            async_scheduling=on, **ENGINE)
+    return p, d
+
+
+def pd_whole(p, d):
+    """D received KV and no load failed; P, stepped until idle, released the leases D confirmed; both pools whole."""
+    from tests.transfer.test_pd_engine import assert_whole
+    assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
+    while p.engine.has_unfinished_requests():
+        p.engine.step()
+    assert_whole(p, d)
+
+
+def test_pd_async_equals_collocated_sync(qwen3_tiny):
+    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, drain, prefill_on
+    p, d = pd_pair(qwen3_tiny, True)
     try:
         col = LLM(qwen3_tiny, async_scheduling=False, **ENGINE).generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -427,11 +443,8 @@ def test_pd_async_equals_collocated_sync(qwen3_tiny):
             [o.outputs[0].token_ids for o in col]
         assert sum(o.num_external_tokens for o in done.values()) > 0
         assert behind, "no load started while a step was in flight"
-        assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
         assert p.engine.steps.num_overlapped > 0 and d.engine.steps.num_overlapped > 0
-        while p.engine.has_unfinished_requests():  # P releases the leases D confirmed
-            p.engine.step()
-        assert_whole(p, d)
+        pd_whole(p, d)
     finally:
         p.engine.shutdown()
         d.engine.shutdown()
@@ -440,12 +453,8 @@ def test_pd_async_equals_collocated_sync(qwen3_tiny):
 def test_pd_d_switching_every_step_equals_collocated(qwen3_tiny):
     """D (its governor's switch, by hand) turns the overlap on and off every step while KV loads arrive and land:
     the tokens are collocated's, both pools whole."""
-    from tests.server_harness import free_port
-    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, assert_whole, prefill_on
-    kv = {"kv_connector": "TcpConnector", "kv_auth_token": "secret"}
-    p = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": free_port(),
-                                            "engine_id": "P0"}, **ENGINE)
-    d = LLM(qwen3_tiny, kv_transfer_config={**kv, "kv_role": "kv_consumer", "kv_transfer_timeout": 1.0}, **ENGINE)
+    from tests.transfer.test_pd_engine import ENGINE, PROMPTS, prefill_on
+    p, d = pd_pair(qwen3_tiny, False)
     try:
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         col = LLM(qwen3_tiny, **ENGINE).generate(PROMPTS, sp, use_tqdm=False)
@@ -465,10 +474,7 @@ def test_pd_d_switching_every_step_equals_collocated(qwen3_tiny):
         assert [done[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == \
             [o.outputs[0].token_ids for o in col]
         assert modes == {True, False} and sum(o.num_external_tokens for o in done.values()) > 0
-        assert d.engine.connector.stats.bytes_received > 0 and not d.engine.connector.stats.failures
-        while p.engine.has_unfinished_requests():  # P releases the leases D confirmed
-            p.engine.step()
-        assert_whole(p, d)
+        pd_whole(p, d)
     finally:
         p.engine.shutdown()
         d.engine.shutdown()

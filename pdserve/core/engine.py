@@ -98,12 +98,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request, self._seal_params)
         self._admitted: list[RequestOutput] = []  # D: outputs of P's first tokens, out with the next step's
         wanted = config.scheduler.use_async_scheduling(self.device.type)
-        self.async_scheduling = wanted and config.speculative_config is None
-        if wanted and not self.async_scheduling:
+        on = wanted and config.speculative_config is None
+        if wanted and not on:
             logger.info("async scheduling is off with speculative decoding (the next step's drafts are looked up in "
                         "the tokens this step makes): steps run one after another")
-        self.steps = StepPipeline(self) if self.async_scheduling else EngineStep(self)
-        self._pipelines = {self.async_scheduling: self.steps}  # each made once: the async one keeps its thread
+        self.steps = StepPipeline(self) if on else EngineStep(self)
+        self._pipelines = {on: self.steps}  # each made once: the async one keeps its thread
         self._want_async: Optional[bool] = None  # want_async_scheduling(): applied at the next step()
         self._num_threads = torch.get_num_threads()  # the count the thread running the model must have
 
@@ -359,6 +359,11 @@ class LLMEngine:
         self._num_threads = n
         self.steps.call(torch.set_num_threads, n)
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the steps in force overlap (StepPipeline): as configured, or as the governor last switched them."""
+        return isinstance(self.steps, StepPipeline)
+
     def want_async_scheduling(self, on: bool) -> None:
         """Overlap on or off from the next step() on (the server's CPU governor, while other processes crowd the
         cores: worker/cpu_threads.py). A no-op with speculative decoding, which runs its steps one after another."""
@@ -373,7 +378,7 @@ class LLMEngine:
             self.steps.call(release_thread_pool)  # model over frees its own, else regions wake threads via the kernel
         if on not in self._pipelines:
             self._pipelines[on] = StepPipeline(self) if on else EngineStep(self)
-        self.steps, self.async_scheduling = self._pipelines[on], on
+        self.steps = self._pipelines[on]
         self.steps.call(torch.set_num_threads, self._num_threads)
         logger.info("async scheduling %s", "on" if on else "off")
         return outputs

@@ -237,14 +237,8 @@ class StepPipeline(EngineStep):
         self.in_flight = None
         updated, lps = [], {}
         if flight is not None:
-            landed, future = flight
-            try:
-                result = future.result()
-            except Exception as e:
-                outputs += self._failed(landed, e)
-            else:
-                self.failed_in_a_row = 0
-                updated, lps = self._land(landed, result, in_flight=True)
+            failed, updated, lps = self._land_flight(flight)
+            outputs += failed
         out.rows = [row for row in out.rows if not row.request.is_finished]  # their blocks are freed already
         if not out.rows and flight is None:
             return self._idle(outputs)
@@ -259,13 +253,19 @@ class StepPipeline(EngineStep):
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return []
+        failed, updated, lps = self._land_flight(flight)
+        return failed + self.engine.output_processor.process(updated, lps)
+
+    def _land_flight(self, flight) -> tuple[list[RequestOutput], list, dict]:
+        """The step that was in flight, landed: (its requests' failed outputs if it raised, else none; the requests
+        it updated; their logprob entries by id)."""
         landed, future = flight
         try:
             result = future.result()
         except Exception as e:
-            return self._failed(landed, e)
+            return self._failed(landed, e), [], {}
         self.failed_in_a_row = 0
-        return self.engine.output_processor.process(*self._land(landed, result, in_flight=True))
+        return [], *self._land(landed, result, in_flight=True)
 
     def _launch(self, out: SchedulerOutput) -> Optional[Exception]:
         eng = self.engine

@@ -397,15 +397,10 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(qwen3_tiny, 
 
 
 def pd_pair(model, on: bool):
-    """P and D over tcp on this process, both with async scheduling `on`."""
+    """P and D over tcp on this process (test_pd_engine's), both with async scheduling `on`."""
     from tests.server_harness import free_port
-    from tests.transfer.test_pd_engine import ENGINE
-    kv = {"kv_connector": "TcpConnector", "kv_auth_token": "secret"}
-    p = LLM(model, kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": free_port(), "engine_id": "P0"},
-            async_scheduling=on, **ENGINE)
-    d = LLM(model, kv_transfer_config={**kv, "kv_role": "kv_consumer", "kv_transfer_timeout": 1.0},
-            async_scheduling=on, **ENGINE)
-    return p, d
+    from tests.transfer.test_pd_engine import consumer, producer
+    return producer(model, free_port(), {"async_scheduling": on}), consumer(model, {"async_scheduling": on})
 
 
 def pd_whole(p, d):

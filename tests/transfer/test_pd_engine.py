@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from typing import Optional
 
 import pytest
 
@@ -18,14 +19,17 @@ ENGINE = dict(max_model_len=512, kv_cache_memory_gb=0.05)
 PROMPTS = ["def fibonacci(n):\n" * k for k in (1, 3, 9, 20)] + ["x", "import os\nimport sys\n"]
 
 
-def producer(model, port, **kv):
+def producer(model, port, llm: Optional[dict] = None, **kv):
+    """P over tcp; `llm`: engine arguments over ENGINE, `kv`: KV config entries over the defaults."""
     return LLM(model, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": port,
-                                          "engine_id": "P0", "kv_auth_token": "secret", **kv}, **ENGINE)
+                                          "engine_id": "P0", "kv_auth_token": "secret", **kv},
+               **{**ENGINE, **(llm or {})})
 
 
-def consumer(model, **kv):
+def consumer(model, llm: Optional[dict] = None, **kv):
     return LLM(model, kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_consumer",
-                                          "kv_auth_token": "secret", "kv_transfer_timeout": 1.0, **kv}, **ENGINE)
+                                          "kv_auth_token": "secret", "kv_transfer_timeout": 1.0, **kv},
+               **{**ENGINE, **(llm or {})})
 
 
 def drain(llm, deadline=20.0) -> dict:

@@ -396,6 +396,40 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(qwen3_tiny, 
     assert final["one"].outputs[0].finish_reason == "error"  # the step with both failed both
 
 
+def test_a_forward_that_fails_in_flight_at_a_switch_off_fails_its_requests(qwen3_tiny, caplog):
+    """The step in flight raises and the overlap is switched off before it lands: drain() fails its requests (an
+    error, the tokens they had), the synchronous steps go on with the next request, the pool whole (drain())."""
+    prompts = [ids(5, 1), ids(13, 2)]
+    _, ref = run(qwen3_tiny, False, prompts, GREEDY)
+    e = make(qwen3_tiny, True)
+    run_step, calls = e.runner.run, [0]
+
+    def flaky(step):
+        calls[0] += 1
+        if calls[0] == 3:  # mid-decode, on the worker thread
+            raise RuntimeError("device lost")
+        return run_step(step)
+    e.runner.run = flaky
+    for i, p in enumerate(prompts):
+        e.add_request(p, GREEDY, request_id=f"r{i}")
+
+    def switch_off_at_the_failing_step(e, final):
+        if calls[0] == 3 and e.async_scheduling:
+            e.want_async_scheduling(False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="pdserve.engine"):
+            final = drain(e, switch_off_at_the_failing_step)
+        assert type(e.steps) is EngineStep and "model step failed" in caplog.text
+        for o in final.values():
+            assert o.outputs[0].finish_reason == "error" and "device lost" in o.error
+            assert 0 < len(o.outputs[0].token_ids) < GREEDY.max_tokens
+        e.runner.run = run_step
+        e.add_request(prompts[1], GREEDY, request_id="again")
+        assert summary(drain(e)["again"]) == summary(ref["r1"])
+    finally:
+        e.shutdown()
+
+
 def pd_pair(model, on: bool):
     """P and D over tcp on this process (test_pd_engine's), both with async scheduling `on`."""
     from tests.server_harness import free_port

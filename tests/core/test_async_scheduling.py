@@ -420,6 +420,7 @@ def test_a_forward_that_fails_in_flight_at_a_switch_off_fails_its_requests(qwen3
         with caplog.at_level(logging.ERROR, logger="pdserve.engine"):
             final = drain(e, switch_off_at_the_failing_step)
         assert type(e.steps) is EngineStep and "model step failed" in caplog.text
+        assert set(final) == {"r0", "r1"}  # the failed requests' final outputs went out
         for o in final.values():
             assert o.outputs[0].finish_reason == "error" and "device lost" in o.error
             assert 0 < len(o.outputs[0].token_ids) < GREEDY.max_tokens
